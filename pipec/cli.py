@@ -1,0 +1,98 @@
+"""Command line: argparse, exit codes and user-error formatting; nothing else.
+
+Exit status: 0 success, 2 a user error (one line on stderr, no traceback), 1 a pipec bug.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from pipec import __version__
+from pipec.driver import CompileOptions, compile_model
+from pipec.errors import PipecError
+from pipec.hardware import DEFAULT, PRESETS
+from pipec.normalize import NORM_CHOICES
+from pipec.schedule import SCHEDULES
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
+                        format="pipec: %(message)s")
+    try:
+        return int(args.run(args))
+    except PipecError as exc:
+        print(f"pipec: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pipec", description="Partition a PyTorch model into pipeline stages and emit a "
+        "standalone torchrun training script.")
+    parser.add_argument("--version", action="version", version=f"pipec {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_compile(commands)
+    return parser
+
+
+def _auto_or_int(text: str) -> int | None:
+    if text == "auto":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or an integer, got {text!r}") from None
+    return value
+
+
+def _add_compile(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = commands.add_parser("compile", help="plan a model and write train.py, stages.py, "
+                            "plan.json, report.md", description="Trace MODEL, plan its stages "
+                            "and micro-batch size, and write a standalone training script.")
+    p.add_argument("model", type=Path, help="model file defining build_model() and sample_batch()")
+    p.add_argument("-o", "--out", type=Path, default=Path("out"), help="output directory (out)")
+    p.add_argument("--gpus", type=int, default=1, help="total devices (1)")
+    p.add_argument("--nodes", type=int, default=1, help="machines the devices are spread over (1)")
+    p.add_argument("--batch-size", type=int, default=32, help="global batch size (32)")
+    p.add_argument("--hardware", default=DEFAULT, help=f"device preset ({', '.join(PRESETS)}) "
+                   f"or a JSON file ({DEFAULT})")
+    p.add_argument("--pp", type=_auto_or_int, default=None,
+                   help="pipeline stages: auto (= --gpus) or K; data parallel = gpus / K")
+    p.add_argument("--micro-batch", type=_auto_or_int, default=None,
+                   help="micro-batch size: auto (searched) or K")
+    p.add_argument("--schedule", choices=("auto", *SCHEDULES), default="auto",
+                   help="pipeline schedule (auto: the fastest that fits)")
+    p.add_argument("--norm", choices=NORM_CHOICES, default="auto",
+                   help="BatchNorm handling (auto: GroupNorm when pipelined)")
+    p.add_argument("--norm-groups", type=int, default=None,
+                   help="GroupNorm groups (default: largest divisor of the channels ≤ 32)")
+    p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd", help="(sgd)")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="(fp32)")
+    p.add_argument("--force", action="store_true",
+                   help="replace an output directory that is not a previous pipec output")
+    p.add_argument("-v", "--verbose", action="store_true", help="log each pass")
+    p.set_defaults(run=_run_compile)
+
+
+def _run_compile(args: argparse.Namespace) -> int:
+    options = CompileOptions(
+        model=args.model, out=args.out, gpus=args.gpus, nodes=args.nodes,
+        batch_size=args.batch_size, hardware=args.hardware, pp=args.pp,
+        micro_batch=args.micro_batch, schedule=args.schedule, norm=args.norm,
+        norm_groups=args.norm_groups, optimizer=args.optimizer, precision=args.precision,
+        force=args.force)
+    plan, emitted = compile_model(options)
+    print(f"pipec: wrote {emitted.out}/ ({', '.join(emitted.files)}): {plan.pp} stage(s) × "
+          f"{plan.dp} replica(s), micro-batch {plan.micro_batch}, {plan.schedule}, predicted "
+          f"{plan.samples_per_s:,.1f} samples/s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""Time and memory of nodes, boundaries and stages at micro-batch size m.
+
+Per node a roofline, ``max(flops / (peak · efficiency), bytes / bandwidth)``, plus a fixed
+per-kernel overhead (Megatron-LM's ``t(b)`` has the same shape: small micro-batches are
+inefficient).
+A boundary costs ``latency + bytes / link bandwidth`` forward and the same again for the gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipec.annotate import CostGraph
+from pipec.hardware import Device
+
+# Optimizer state per parameter byte: SGD keeps a momentum buffer, AdamW two moments.
+OPTIMIZER_STATE_RATIO = {"sgd": 1, "adamw": 2}
+# Activations are saved at this fraction of their fp32 size (bf16 autocast halves them).
+ACTIVATION_RATIO = {"fp32": 1.0, "bf16": 0.5}
+# Kept free on every device for the allocator, workspaces and communication buffers.
+MEMORY_RESERVE = 0.1
+
+
+@dataclass(frozen=True)
+class Training:
+    """What the cost model needs of the training configuration."""
+
+    optimizer: str = "sgd"
+    precision: str = "fp32"
+
+
+@dataclass(frozen=True)
+class NodeArrays:
+    """Per-node costs at one micro-batch size, as arrays (length n) for the solver."""
+
+    fwd_s: np.ndarray
+    bwd_s: np.ndarray
+    static_bytes: np.ndarray  # params + grads + optimizer state + buffers
+    activation_bytes: np.ndarray  # saved for backward, per micro-batch in flight
+    cut_s: np.ndarray  # length n + 1: forward send + backward send across each cut
+
+
+def node_arrays(graph: CostGraph, device: Device, micro_batch: int,
+                training: Training) -> NodeArrays:
+    flops_rate = device.efficiency * (device.bf16_flops if training.precision == "bf16"
+                                      else device.fp32_flops)
+    ratio = ACTIVATION_RATIO[training.precision]
+    fwd_flops = np.array([n.fwd_flops.at(micro_batch) for n in graph.nodes])
+    bwd_flops = np.array([n.bwd_flops.at(micro_batch) for n in graph.nodes])
+    out_bytes = np.array([n.output_bytes.at(micro_batch) for n in graph.nodes]) * ratio
+    param_bytes = np.array([n.param_bytes for n in graph.nodes], dtype=float)
+    moved = out_bytes + param_bytes
+    overhead = device.kernel_overhead_s
+    fwd = np.maximum(fwd_flops / flops_rate, moved / device.memory_bandwidth) + overhead
+    bwd = np.maximum(bwd_flops / flops_rate, 2 * moved / device.memory_bandwidth) + overhead
+    states = 2 + OPTIMIZER_STATE_RATIO[training.optimizer]
+    static = param_bytes * states + np.array([n.buffer_bytes for n in graph.nodes], dtype=float)
+    cut_bytes = np.array([c.at(micro_batch) for c in graph.cut_bytes]) * ratio
+    cut_s = 2 * (device.intra_node_latency_s + cut_bytes / device.intra_node_bandwidth)
+    cut_s[0] = cut_s[-1] = 0.0
+    return NodeArrays(fwd, bwd, static, out_bytes, cut_s)
+
+
+def usable_memory(device: Device) -> float:
+    return device.memory_bytes * (1 - MEMORY_RESERVE)
+
+
+def allreduce_s(grad_bytes: float, replicas: int, device: Device) -> float:
+    """Ring all-reduce of the gradients over ``replicas`` devices: 2(d−1)/d · bytes / bandwidth."""
+    if replicas == 1:
+        return 0.0
+    return 2 * (replicas - 1) / replicas * grad_bytes / device.intra_node_bandwidth

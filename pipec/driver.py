@@ -1,0 +1,74 @@
+"""compile_model(): the pass list, one line per pass."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipec.annotate import annotate
+from pipec.costmodel import Training
+from pipec.emit import Emitted, emit
+from pipec.errors import ConfigError
+from pipec.hardware import DEFAULT, load_hardware
+from pipec.loader import load_model_file
+from pipec.normalize import plan_norms
+from pipec.planner import Plan, PlanRequest, plan
+from pipec.split import split
+from pipec.trace import batch_inputs, trace_model
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    model: Path
+    out: Path = Path("out")
+    gpus: int = 1
+    nodes: int = 1
+    batch_size: int = 32
+    hardware: str = DEFAULT
+    pp: int | None = None
+    micro_batch: int | None = None
+    schedule: str = "auto"
+    norm: str = "auto"
+    norm_groups: int | None = None
+    optimizer: str = "sgd"
+    precision: str = "fp32"
+    force: bool = False
+
+
+def compile_model(options: CompileOptions) -> tuple[Plan, Emitted]:
+    request = _request(options)
+    spec = load_model_file(options.model)
+    traced = trace_model(spec)
+    graph = annotate(traced, [batch_inputs(spec, size)[0] for size in (1, 2)])
+    chosen = plan(graph, request)
+    norms = plan_norms(traced, chosen.pp, chosen.micro_batch, options.norm, options.norm_groups)
+    staged = split(traced, chosen, spec.module.__name__)
+    emitted = emit(spec, traced, chosen, norms, staged, options.out, options.force)
+    log.info("wrote %s: %d stage(s), micro-batch %d, %s", emitted.out, chosen.pp,
+             chosen.micro_batch, chosen.schedule)
+    return chosen, emitted
+
+
+def _request(options: CompileOptions) -> PlanRequest:
+    """Check the options that need no model, so that mistakes are reported before tracing."""
+    if options.gpus < 1:
+        raise ConfigError(f"--gpus {options.gpus}: need at least 1 device")
+    if options.nodes < 1 or options.gpus % options.nodes:
+        raise ConfigError(f"--gpus {options.gpus} is not divisible by --nodes {options.nodes}; "
+                          "every node runs the same number of devices")
+    if options.batch_size < 1:
+        raise ConfigError(f"--batch-size {options.batch_size}: must be a positive integer")
+    if options.pp is not None and options.pp < 1:
+        raise ConfigError(f"--pp {options.pp}: need at least 1 stage")
+    if options.optimizer not in ("sgd", "adamw"):
+        raise ConfigError(f"--optimizer {options.optimizer!r}: use sgd or adamw")
+    if options.precision not in ("fp32", "bf16"):
+        raise ConfigError(f"--precision {options.precision!r}: use fp32 or bf16")
+    return PlanRequest(
+        gpus=options.gpus, nodes=options.nodes, global_batch=options.batch_size, pp=options.pp,
+        micro_batch=options.micro_batch, schedule=options.schedule, hardware=options.hardware,
+        device=load_hardware(options.hardware),
+        training=Training(options.optimizer, options.precision))

@@ -1,0 +1,227 @@
+"""Emit pass: render the templates and write the output directory atomically.
+
+Everything is written to a temporary directory beside the target and renamed into place only
+when complete, so a failure never leaves a partial output. Output is deterministic: no
+timestamps, no absolute paths, sorted JSON keys.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import jinja2
+
+from pipec import __version__
+from pipec.costmodel import usable_memory
+from pipec.errors import OutputError
+from pipec.loader import ModelSpec
+from pipec.normalize import NormPlan
+from pipec.planner import Plan
+from pipec.report import (
+    TOP_CANDIDATES,
+    baseline_table,
+    norm_table,
+    search_table,
+    stage_table,
+    timeline_svg,
+)
+from pipec.schedule import SCHEDULES
+from pipec.split import Staged
+from pipec.trace import Traced
+
+MARKER = "plan.json"  # a directory holding this (and train.py) is a previous pipec output
+SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B"}
+DEFAULT_LR = {"sgd": 0.01, "adamw": 0.001}
+assert set(SCHEDULE_CLASSES) == set(SCHEDULES)
+
+
+@dataclass(frozen=True)
+class Emitted:
+    out: Path
+    files: tuple[str, ...]
+
+
+def emit(spec: ModelSpec, traced: Traced, plan: Plan, norms: NormPlan, staged: Staged,
+         out: Path, force: bool = False) -> Emitted:
+    _check_target(out, force)
+    contents = render(spec, traced, plan, norms, staged)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        for name, data in contents.items():
+            _write(staging / name, data)
+        _replace(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return Emitted(out, tuple(sorted(contents)))
+
+
+def render(spec: ModelSpec, traced: Traced, plan: Plan, norms: NormPlan,
+           staged: Staged) -> dict[str, bytes]:
+    """Every output file's bytes, by name."""
+    context = _context(spec, traced, plan, norms)
+    files = {
+        "model.py": spec.source,
+        "train.py": _render("train.py.j2", context),
+        "stages.py": _render("stages.py.j2", {**context, **_stage_context(plan, norms, staged)}),
+        "report.md": _render("report.md.j2", {**context, **_report_context(plan, norms)}),
+        "plan.json": (json.dumps(plan_dict(plan, norms, traced), indent=2, sort_keys=True)
+                      + "\n").encode(),
+        "timeline.svg": timeline_svg(plan.simulation, plan.pp, _timeline_title(plan)).encode(),
+    }
+    return files
+
+
+def plan_dict(plan: Plan, norms: NormPlan, traced: Traced) -> dict[str, Any]:
+    """plan.json: the stable keys of DESIGN.md (add freely, rename never)."""
+    request = plan.request
+    return {
+        "gpus": request.gpus, "nodes": request.nodes, "pp": plan.pp, "dp": plan.dp,
+        "global_batch": request.global_batch, "micro_batch": plan.micro_batch,
+        "num_micro_batches": plan.num_micro_batches, "schedule": plan.schedule,
+        "hardware": request.hardware, "optimizer": request.training.optimizer,
+        "precision": request.training.precision, "frontend": traced.frontend,
+        "inputs": list(traced.input_names),
+        "stages": [{
+            "index": s.index, "modules": list(s.modules), "params": s.params,
+            "fwd_flops": s.fwd_flops, "bwd_flops": s.bwd_flops,
+            "activation_bytes": s.activation_bytes, "memory_bytes": s.memory_bytes,
+            "time_s": s.time_s, "boundary_bytes": s.boundary_bytes,
+            "nodes": [s.start, s.end],
+        } for s in plan.stages],
+        "predicted": {
+            "iteration_s": plan.iteration_s, "samples_per_s": plan.samples_per_s,
+            "bubble": plan.simulation.bubble,
+            "peak_memory_bytes": [s.memory_bytes for s in plan.stages],
+        },
+        "candidates": [{
+            "micro_batch": c.micro_batch, "num_micro_batches": c.num_micro_batches,
+            "schedule": c.schedule, "samples_per_s": c.samples_per_s,
+            "peak_memory_bytes": c.peak_memory_bytes, "feasible": c.feasible,
+        } for c in plan.candidates],
+        "baselines": [{
+            "name": b.name, "micro_batch": b.micro_batch, "schedule": b.schedule,
+            "samples_per_s": b.samples_per_s, "feasible": b.feasible,
+        } for b in plan.baselines],
+        "norm": norms.choice,
+        "norm_rewrites": [{"module": r.module, "from": r.from_, "to": r.to, "groups": r.groups}
+                          for r in norms.rewrites],
+    }
+
+
+def run_commands(plan: Plan) -> tuple[str, ...]:
+    gpus, nodes = plan.request.gpus, plan.request.nodes
+    if nodes == 1:
+        return (f"torchrun --standalone --nproc_per_node {gpus} train.py --steps 100",)
+    return (f"# on each of the {nodes} nodes (HOST:PORT = the first node's address, a free port):",
+            f"torchrun --nnodes {nodes} --nproc_per_node {gpus // nodes} --rdzv-backend c10d "
+            "--rdzv-endpoint HOST:PORT train.py --steps 100")
+
+
+def _context(spec: ModelSpec, traced: Traced, plan: Plan, norms: NormPlan) -> dict[str, Any]:
+    request = plan.request
+    return {
+        "version": __version__, "model_file": spec.path.name, "pp": plan.pp, "dp": plan.dp,
+        "gpus": request.gpus, "nodes": request.nodes, "hardware": request.hardware,
+        "global_batch": request.global_batch, "micro_batch": plan.micro_batch,
+        "num_micro_batches": plan.num_micro_batches, "schedule": plan.schedule,
+        "schedule_name": SCHEDULE_NAMES[plan.schedule],
+        "schedule_class": SCHEDULE_CLASSES[plan.schedule],
+        "optimizer": request.training.optimizer, "precision": request.training.precision,
+        "default_lr": DEFAULT_LR[request.training.optimizer], "frontend": traced.frontend,
+        "predicted_iteration": _duration(plan.iteration_s),
+        "predicted_throughput": f"{plan.samples_per_s:,.1f}",
+        "predicted_bubble": f"{plan.simulation.bubble:.1%}",
+        "run_commands": run_commands(plan), "norm_choice": norms.choice,
+    }
+
+
+def _stage_context(plan: Plan, norms: NormPlan, staged: Staged) -> dict[str, Any]:
+    stages = [{
+        "index": code.index, "class_name": code.class_name, "module_paths": code.module_paths,
+        "summary": _summary(stage.modules, stage.end - stage.start),
+        "forward": _indent(code.forward_source),
+    } for code, stage in zip(staged.stages, plan.stages, strict=True)]
+    return {"stages": stages, "imports": staged.imports, "norm_rewrites": norms.rewrites,
+            "num_stages": plan.pp}
+
+
+def _report_context(plan: Plan, norms: NormPlan) -> dict[str, Any]:
+    return {
+        "stage_table": stage_table(plan), "search_table": search_table(plan),
+        "baseline_table": baseline_table(plan), "norm_table": norm_table(norms),
+        "top_candidates": min(TOP_CANDIDATES, len(plan.candidates)),
+        "num_candidates": len(plan.candidates),
+        "predicted_peak": _gib(max(s.memory_bytes for s in plan.stages)),
+        "device_memory": _gib(usable_memory(plan.request.device)),
+    }
+
+
+def _summary(modules: tuple[str, ...], num_nodes: int) -> str:
+    names = ", ".join(modules) if len(modules) <= 8 else (
+        ", ".join(modules[:4]) + f", ... {modules[-1]}")
+    return f"{names or 'functions'} ({num_nodes} graph nodes)"
+
+
+def _indent(source: str) -> str:
+    return "\n".join(("    " + line) if line else "" for line in source.splitlines())
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f} ms" if seconds < 1 else f"{seconds:.3f} s"
+
+
+def _gib(value: float) -> str:
+    return f"{value / 2**30:.2f} GiB"
+
+
+def _timeline_title(plan: Plan) -> str:
+    return (f"{SCHEDULE_NAMES[plan.schedule]}: {plan.pp} stages, {plan.num_micro_batches} "
+            f"micro-batches of {plan.micro_batch}")
+
+
+_environment = jinja2.Environment(
+    loader=jinja2.FunctionLoader(
+        lambda name: resources.files("pipec.templates").joinpath(name).read_text()),
+    undefined=jinja2.StrictUndefined, keep_trailing_newline=True, trim_blocks=True,
+    lstrip_blocks=True, autoescape=False)
+
+
+def _render(name: str, context: dict[str, Any]) -> bytes:
+    return _environment.get_template(name).render(**context).encode()
+
+
+def _check_target(out: Path, force: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"output {out} exists and is not a directory; choose another -o")
+    if out.is_dir() and any(out.iterdir()) and not (out / MARKER).is_file() and not force:
+        raise OutputError(f"output directory {out} exists and is not a pipec output; "
+                          "choose another -o or pass --force to replace it")
+
+
+def _write(path: Path, data: bytes) -> None:
+    with open(path, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _replace(staging: Path, out: Path) -> None:
+    """Swap the finished staging directory into place of ``out``."""
+    os.chmod(staging, 0o755)
+    if not out.exists():
+        staging.rename(out)
+        return
+    retired = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
+    retired.rmdir()
+    out.rename(retired)
+    staging.rename(out)
+    shutil.rmtree(retired, ignore_errors=True)

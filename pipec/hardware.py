@@ -1,0 +1,85 @@
+"""Device presets and topology; figures are vendor data-sheet peaks (docs/hardware.md)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from pipec.errors import ConfigError
+
+GB = 1e9
+GIB = 2**30
+TFLOPS = 1e12
+
+
+@dataclass(frozen=True)
+class Device:
+    """One accelerator (or CPU process) and its links.
+
+    ``efficiency`` is the fraction of peak FLOP/s that dense training kernels reach;
+    ``kernel_overhead_s`` is the fixed launch / framework cost per graph node, which makes very
+    small micro-batches inefficient (the trade-off the micro-batch search exploits).
+    """
+
+    name: str
+    fp32_flops: float
+    bf16_flops: float
+    memory_bandwidth: float  # bytes/s
+    memory_bytes: float
+    intra_node_bandwidth: float  # bytes/s, one direction, between two devices of a node
+    inter_node_bandwidth: float  # bytes/s, one direction, between nodes
+    intra_node_latency_s: float
+    inter_node_latency_s: float
+    kernel_overhead_s: float
+    efficiency: float
+
+
+def _gpu(name: str, fp32: float, bf16: float, bandwidth_gbs: float, memory_gib: float,
+         link_gbs: float) -> Device:
+    # Inter-node: one 200 Gb/s InfiniBand HDR port per device (25 GB/s), 5 µs; NVLink 2 µs.
+    return Device(name, fp32 * TFLOPS, bf16 * TFLOPS, bandwidth_gbs * GB, memory_gib * GIB,
+                  link_gbs * GB, 25 * GB, 2e-6, 5e-6, kernel_overhead_s=8e-6, efficiency=0.6)
+
+
+PRESETS: dict[str, Device] = {
+    # V100 SXM2 has no bf16: its fp16 tensor cores (125 TFLOP/s) stand in for mixed precision.
+    "v100-16g": _gpu("v100-16g", 15.7, 125.0, 900, 16, 150),
+    "v100-32g": _gpu("v100-32g", 15.7, 125.0, 900, 32, 150),
+    "a100-40g": _gpu("a100-40g", 19.5, 312.0, 1555, 40, 300),
+    "a100-80g": _gpu("a100-80g", 19.5, 312.0, 2039, 80, 300),
+    "h100-80g": _gpu("h100-80g", 67.0, 989.0, 3350, 80, 450),
+    "h200": _gpu("h200", 67.0, 989.0, 4800, 141, 450),
+    # One CPU process of this 2-core development machine, talking gloo over loopback.
+    "cpu": Device("cpu", 0.05 * TFLOPS, 0.02 * TFLOPS, 10 * GB, 8 * GIB, 2 * GB, 1 * GB,
+                  50e-6, 100e-6, kernel_overhead_s=20e-6, efficiency=1.0),
+}
+
+DEFAULT = "a100-80g"
+
+
+def load_hardware(name: str) -> Device:
+    """A preset by name, or a device described by a JSON file with the fields of ``Device``."""
+    if name.endswith(".json"):
+        return _from_json(Path(name))
+    if name not in PRESETS:
+        raise ConfigError(f"unknown hardware {name!r}; presets: {', '.join(sorted(PRESETS))} "
+                          "(or pass a JSON file)")
+    return PRESETS[name]
+
+
+def _from_json(path: Path) -> Device:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"hardware file {path}: {exc}") from None
+    names = [f.name for f in fields(Device)]
+    missing = [n for n in names if n not in data]
+    if missing:
+        raise ConfigError(f"hardware file {path}: missing {', '.join(missing)}; "
+                          f"a device needs {', '.join(names)}")
+    try:
+        numbers = {n: float(data[n]) for n in names if n != "name"}
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"hardware file {path}: {exc}") from None
+    return Device(name=str(data["name"]), **numbers)

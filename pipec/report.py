@@ -1,0 +1,89 @@
+"""The partition report's tables (tabulate) and the schedule timeline (SVG)."""
+
+from __future__ import annotations
+
+from html import escape
+
+from tabulate import tabulate
+
+from pipec.normalize import NormPlan
+from pipec.planner import Plan
+from pipec.schedule import Simulation
+
+MIB = 2**20
+TOP_CANDIDATES = 10
+
+
+def stage_table(plan: Plan) -> str:
+    rows = [(s.index, _modules(s.modules), f"{s.params:,}", f"{s.fwd_flops / 1e9:.3f}",
+             f"{s.activation_bytes / MIB:.2f}", f"{s.memory_bytes / MIB:.1f}",
+             f"{s.time_s * 1e3:.3f}", f"{s.boundary_bytes / MIB:.3f}") for s in plan.stages]
+    headers = ("stage", "modules", "params", "fwd GFLOP / micro-batch", "activations MiB",
+               "peak memory MiB", "time ms / micro-batch", "boundary MiB")
+    return tabulate(rows, headers, tablefmt="github")
+
+
+def search_table(plan: Plan) -> str:
+    ranked = sorted(plan.candidates, key=lambda c: -c.samples_per_s)[:TOP_CANDIDATES]
+    rows = [(c.micro_batch, c.num_micro_batches, c.schedule, f"{plan.pp}×{plan.dp}",
+             f"{c.samples_per_s:,.1f}", f"{c.peak_memory_bytes / MIB:,.1f}",
+             "yes" if c.feasible else "no") for c in ranked]
+    headers = ("micro-batch", "micro-batches", "schedule", "pp×dp", "samples/s",
+               "peak memory MiB", "fits")
+    return tabulate(rows, headers, tablefmt="github")
+
+
+def baseline_table(plan: Plan) -> str:
+    rows = [("pipec", plan.micro_batch, plan.schedule, f"{plan.samples_per_s:,.1f}", "yes",
+             "1.00")]
+    rows += [(b.name, b.micro_batch, b.schedule, f"{b.samples_per_s:,.1f}",
+              "yes" if b.feasible else "no", f"{plan.samples_per_s / b.samples_per_s:.2f}")
+             for b in plan.baselines]
+    headers = ("method", "micro-batch", "schedule", "samples/s", "fits", "pipec ÷ method")
+    return tabulate(rows, headers, tablefmt="github")
+
+
+def norm_table(norms: NormPlan) -> str:
+    if not norms.rewrites:
+        return "No normalization layer rewritten."
+    rows = [(r.module, r.from_, f"{r.to}({r.groups}, {r.channels})") for r in norms.rewrites]
+    return tabulate(rows, ("module", "from", "to"), tablefmt="github")
+
+
+def _modules(names: tuple[str, ...], limit: int = 6) -> str:
+    if len(names) <= limit:
+        return ", ".join(names) or "(functions only)"
+    return ", ".join(names[:3]) + f", … ({len(names) - 4} more), " + names[-1]
+
+
+# Timeline geometry, in SVG user units.
+ROW_HEIGHT, ROW_GAP, LEFT, WIDTH, TOP = 28, 8, 70, 900, 24
+COLORS = {"F": "#4c78a8", "B": "#59a14f"}
+
+
+def timeline_svg(simulation: Simulation, num_stages: int, title: str) -> str:
+    """One row per stage; a block per forward (blue) and backward (green); gaps are idle time."""
+    scale = WIDTH / simulation.iteration_s if simulation.iteration_s > 0 else 0.0
+    height = TOP + num_stages * (ROW_HEIGHT + ROW_GAP) + 24
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{LEFT + WIDTH + 10}" '
+             f'height="{height}" font-family="sans-serif" font-size="11">',
+             f'<text x="{LEFT}" y="14">{escape(title)}</text>']
+    for s in range(num_stages):
+        y = TOP + s * (ROW_HEIGHT + ROW_GAP)
+        parts.append(f'<text x="4" y="{y + 18}">stage {s}</text>')
+        parts.append(f'<rect x="{LEFT}" y="{y}" width="{WIDTH}" height="{ROW_HEIGHT}" '
+                     'fill="#eeeeee"/>')
+    for a in simulation.actions:
+        x, w = LEFT + a.start_s * scale, max((a.end_s - a.start_s) * scale, 0.5)
+        y = TOP + a.stage * (ROW_HEIGHT + ROW_GAP)
+        parts.append(f'<rect x="{x:.2f}" y="{y}" width="{w:.2f}" height="{ROW_HEIGHT}" '
+                     f'fill="{COLORS[a.kind]}" stroke="white" stroke-width="0.5">'
+                     f'<title>{a.kind}{a.micro_batch}</title></rect>')
+        if w > 14:
+            parts.append(f'<text x="{x + w / 2:.2f}" y="{y + 18}" fill="white" '
+                         f'text-anchor="middle">{a.kind}{a.micro_batch}</text>')
+    footer = (f"iteration {simulation.iteration_s * 1e3:.3f} ms, bubble "
+              f"{simulation.bubble:.1%}; grey: idle")
+    parts.append(f'<text x="{LEFT}" y="{height - 6}">{escape(footer)}</text>')
+    parts.append("</svg>")
+    return "\n".join(parts) + "\n"

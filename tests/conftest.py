@@ -1,0 +1,107 @@
+"""Shared fixtures: compile a model file, load the emitted modules, run the emitted script."""
+
+from __future__ import annotations
+
+import os
+
+# One thread per process: several training processes share this machine's two cores, and forked
+# workers must not inherit a running OpenMP pool.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import contextlib
+import importlib.util
+import re
+import runpy
+import socket
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.pipelining
+import torch.multiprocessing as mp
+
+from pipec.driver import CompileOptions, compile_model
+from pipec.planner import Plan
+
+torch.set_num_threads(1)
+
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLES = ROOT / "samples"
+MODELS = Path(__file__).resolve().parent / "models"
+STEP_LINE = re.compile(r"^step (\d+) loss (\S+)", re.MULTILINE)
+
+
+def compile_to(model: Path, out: Path, **options: Any) -> Plan:
+    options.setdefault("hardware", "cpu")
+    plan, _ = compile_model(CompileOptions(model=model, out=out, **options))
+    return plan
+
+
+@contextlib.contextmanager
+def emitted_modules(out: Path) -> Iterator[tuple[ModuleType, ModuleType]]:
+    """Import an output directory's ``model.py`` and ``stages.py`` as the script would."""
+    saved = {name: sys.modules.pop(name, None) for name in ("model", "stages")}
+    sys.path.insert(0, str(out))
+    try:
+        model = _import(out / "model.py", "model")
+        stages = _import(out / "stages.py", "stages")
+        yield model, stages
+    finally:
+        sys.path.remove(str(out))
+        for name, module in saved.items():
+            sys.modules.pop(name, None)
+            if module is not None:
+                sys.modules[name] = module
+
+
+def _import(path: Path, name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _worker(rank: int, out: str, world_size: int, port: int, args: list[str], logs: str) -> None:
+    """One rank of the emitted script, forked from the test process (as torchrun would start it)."""
+    log = os.open(os.path.join(logs, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    sys.path.insert(0, out)
+    sys.argv = [os.path.join(out, "train.py"), *args]
+    runpy.run_path(sys.argv[0], run_name="__main__")
+    sys.stdout.flush()
+
+
+def run_forked(out: Path, world_size: int, *args: str, logs: Path | None = None) -> list[float]:
+    """Run ``out/train.py`` on ``world_size`` forked ranks; the printed per-step losses."""
+    logs = logs or out.parent / f"{out.name}-logs-{world_size}"
+    logs.mkdir(parents=True, exist_ok=True)
+    try:
+        mp.start_processes(_worker, args=(str(out), world_size, free_port(), list(args),
+                                          str(logs)),
+                           nprocs=world_size, join=True, start_method="fork")
+    except mp.ProcessRaisedException:
+        text = "\n".join(p.read_text() for p in sorted(logs.glob("rank*.log")))
+        pytest.fail(f"emitted script failed:\n{text[-4000:]}")
+    return losses_of("".join(p.read_text() for p in sorted(logs.glob("rank*.log"))))
+
+
+def losses_of(text: str) -> list[float]:
+    """The loss of each step, from the script's ``step {k} loss {v}`` lines."""
+    steps = [(int(k), float(v)) for k, v in STEP_LINE.findall(text)]
+    assert [k for k, _ in steps] == list(range(1, len(steps) + 1)), text
+    return [v for _, v in steps]

@@ -1,0 +1,69 @@
+"""Per-node costs on meta tensors: exact FLOPs and bytes, legal cuts, nothing allocated."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conftest import MODELS, SAMPLES
+from pipec.annotate import CostGraph, annotate
+from pipec.loader import load_model_file
+from pipec.trace import Traced, batch_inputs, trace_model
+
+
+def analyse(path: Path) -> tuple[Traced, CostGraph]:
+    spec = load_model_file(path)
+    traced = trace_model(spec)
+    return traced, annotate(traced, [batch_inputs(spec, size)[0] for size in (1, 2)])
+
+
+def test_nothing_is_allocated() -> None:
+    traced, _ = analyse(SAMPLES / "gpt.py")
+    tensors = [*traced.graph_module.parameters(), *traced.graph_module.buffers()]
+    assert tensors and all(t.device.type == "meta" for t in tensors)
+
+
+def test_linear_flops_and_bytes_are_exact() -> None:
+    _, graph = analyse(SAMPLES / "mlp.py")
+    first = graph.nodes[0]  # Linear(64, 256)
+    assert first.fwd_flops.per_sample == 2 * 64 * 256 and first.fwd_flops.fixed == 0
+    assert first.output_bytes.per_sample == 256 * 4 and first.output_bytes.fixed == 0
+    assert first.params == 64 * 256 + 256 and first.param_bytes == 4 * first.params
+    assert first.shape == (1, 256)
+
+
+@pytest.mark.parametrize("name", ["mlp", "resnet", "gpt"])
+def test_parameters_are_counted_once_and_exactly(name: str) -> None:
+    traced, graph = analyse(SAMPLES / f"{name}.py")
+    assert graph.total_params == sum(p.numel() for p in traced.graph_module.parameters())
+
+
+def test_batch_independent_values_are_not_scaled() -> None:
+    _, graph = analyse(SAMPLES / "gpt.py")
+    arange = next(n for n in graph.nodes if n.target == "arange")
+    assert arange.output_bytes.per_sample == 0 and arange.output_bytes.fixed == 32 * 8
+
+
+def test_cut_bytes_count_every_live_value() -> None:
+    _, graph = analyse(MODELS / "skip_two_inputs.py")
+    # Before anything runs, the two inputs are live: 16 + 8 floats per sample.
+    assert graph.cut_bytes[0].per_sample == (16 + 8) * 4
+    # In the body, x, the skip value and the text input are live: 32 + 32 + 8 floats.
+    body = next(i for i, n in enumerate(graph.nodes) if n.module == "body.2")
+    assert graph.cut_bytes[body].per_sample == (32 + 32 + 8) * 4
+
+
+def test_cuts_inside_a_shape_computation_are_illegal() -> None:
+    _, graph = analyse(SAMPLES / "gpt.py")
+    # `batch, tokens, width = x.shape` makes ints that live until the attention's reshape.
+    shape_reads = [i for i, n in enumerate(graph.nodes) if not n.is_tensor]
+    assert shape_reads and all(not graph.legal_cuts[i + 1] for i in shape_reads)
+
+
+def test_a_shared_module_cannot_be_cut() -> None:
+    _, graph = analyse(MODELS / "shared_module.py")
+    uses = [i for i, n in enumerate(graph.nodes) if n.module == "twice"]
+    assert len(uses) == 2
+    assert not any(graph.legal_cuts[uses[0] + 1:uses[1] + 1])
+    assert graph.nodes[uses[0]].params == 8 * 8 + 8 and graph.nodes[uses[1]].params == 0

@@ -1,0 +1,80 @@
+"""BatchNorm rewrites: chosen by parallelism, and equal to GroupNorm's definition."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import SAMPLES, compile_to, emitted_modules
+from pipec.errors import ConfigError
+from pipec.normalize import largest_divisor
+
+
+def test_largest_divisor() -> None:
+    assert [largest_divisor(c, 32) for c in (16, 64, 48, 7, 96, 100)] == [16, 32, 24, 7, 32, 25]
+
+
+def test_pipelined_plan_rewrites_every_batch_norm(tmp_path: Path) -> None:
+    compile_to(SAMPLES / "resnet.py", tmp_path / "o", gpus=2, batch_size=16)
+    plan = json.loads((tmp_path / "o" / "plan.json").read_text())
+    rewrites = plan["norm_rewrites"]
+    assert len(rewrites) == 15 and plan["norm"] == "group"
+    assert rewrites[0] == {"module": "stem.1", "from": "BatchNorm2d", "to": "GroupNorm",
+                           "groups": 16}
+
+
+def test_one_device_keeps_batch_norm(tmp_path: Path) -> None:
+    compile_to(SAMPLES / "resnet.py", tmp_path / "o", gpus=1, batch_size=16)
+    assert json.loads((tmp_path / "o" / "plan.json").read_text())["norm_rewrites"] == []
+
+
+def test_keep_under_pipelining_warns(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    compile_to(SAMPLES / "resnet.py", tmp_path / "o", gpus=2, batch_size=16, norm="keep",
+               micro_batch=4)
+    assert "normalizes over one micro-batch of 4 samples" in caplog.text
+
+
+def test_groups_must_divide_channels(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="--norm-groups 5 does not divide the 16 channels"):
+        compile_to(SAMPLES / "resnet.py", tmp_path / "o", gpus=2, norm="group", norm_groups=5)
+
+
+def group_norm_by_definition(x: torch.Tensor, groups: int, weight: torch.Tensor,
+                             bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """Wu & He (2018), eq. 1-3: normalize each sample over groups of channels, then scale."""
+    n, c = x.shape[:2]
+    grouped = x.reshape(n, groups, -1)
+    mean = grouped.mean(dim=2, keepdim=True)
+    var = grouped.var(dim=2, unbiased=False, keepdim=True)
+    normalized = ((grouped - mean) / torch.sqrt(var + eps)).reshape(x.shape)
+    shape = (1, c) + (1,) * (x.dim() - 2)
+    return normalized * weight.reshape(shape) + bias.reshape(shape)
+
+
+def test_rewritten_layer_equals_definition_and_carries_weights(tmp_path: Path) -> None:
+    compile_to(SAMPLES / "resnet.py", tmp_path / "o", gpus=2, batch_size=16)
+    with emitted_modules(tmp_path / "o") as (user, stages):
+        torch.manual_seed(0)
+        model = user.build_model()
+        with torch.no_grad():
+            model.layers[2].bn1.weight.uniform_(0.5, 1.5)
+            model.layers[2].bn1.bias.uniform_(-1, 1)
+        weight = model.layers[2].bn1.weight.detach().clone()
+        bias = model.layers[2].bn1.bias.detach().clone()
+        stages.rewrite_norms(model)
+        layer = model.layers[2].bn1
+    assert isinstance(layer, torch.nn.GroupNorm) and layer.num_groups == 32
+    torch.testing.assert_close(layer.weight.detach(), weight)
+    torch.testing.assert_close(layer.bias.detach(), bias)
+    x = torch.randn(4, 32, 5, 5, requires_grad=True)
+    expected_x = x.detach().clone().requires_grad_()
+    out = layer(x)
+    expected = group_norm_by_definition(expected_x, 32, layer.weight, layer.bias, layer.eps)
+    torch.testing.assert_close(out, expected)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    expected.backward(grad)
+    torch.testing.assert_close(x.grad, expected_x.grad)

@@ -1,0 +1,79 @@
+"""The DP is exact: it finds the brute-force optimum on random instances with binding memory."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipec.partition import brute_force, make_problem, solve, stage_memory, stage_time
+
+
+@st.composite
+def problems(draw: st.DrawFn) -> tuple:
+    n = draw(st.integers(2, 12))
+    stages = draw(st.integers(1, min(4, n)))
+    floats = st.floats(0.0, 10.0, allow_nan=False)
+    costs = np.array(draw(st.lists(floats, min_size=n, max_size=n)))
+    static = np.array(draw(st.lists(floats, min_size=n, max_size=n)))
+    activation = np.array(draw(st.lists(floats, min_size=n, max_size=n)))
+    cut_s = np.array([0.0, *draw(st.lists(floats, min_size=n - 1, max_size=n - 1)), 0.0])
+    legal = np.array([True, *draw(st.lists(st.booleans(), min_size=n - 1, max_size=n - 1)),
+                      True])
+    # Capacities between "almost nothing fits" and "everything fits", so memory binds often.
+    total = float(static.sum() + stages * activation.sum())
+    capacity = tuple(draw(st.floats(0.0, total + 1.0)) for _ in range(stages))
+    in_flight = tuple(draw(st.integers(1, 4)) for _ in range(stages))
+    return make_problem(costs, static, activation, cut_s, legal, capacity, in_flight)
+
+
+@settings(max_examples=300, deadline=None)
+@given(problems())
+def test_dp_equals_brute_force(problem: object) -> None:
+    dp, reference = solve(problem), brute_force(problem)  # type: ignore[arg-type]
+    assert (dp is None) == (reference is None)
+    if dp is not None and reference is not None:
+        assert abs(dp.bottleneck - reference.bottleneck) <= 1e-9 * max(1.0, reference.bottleneck)
+
+
+@settings(max_examples=200, deadline=None)
+@given(problems())
+def test_dp_partition_is_valid_and_achieves_its_bottleneck(problem: object) -> None:
+    p = problem
+    result = solve(p)  # type: ignore[arg-type]
+    if result is None:
+        return
+    bounds = result.boundaries
+    assert bounds[0] == 0 and bounds[-1] == p.num_nodes  # type: ignore[attr-defined]
+    assert all(a < b for a, b in itertools.pairwise(bounds))
+    assert all(p.legal[b] for b in bounds)  # type: ignore[attr-defined]
+    spans = list(itertools.pairwise(bounds))
+    for s, (a, b) in enumerate(spans):
+        assert stage_memory(p, s, a, b) <= p.capacity[s]  # type: ignore[arg-type, attr-defined]
+    assert max(stage_time(p, a, b) for a, b in spans) == result.bottleneck  # type: ignore[arg-type]
+
+
+def test_balanced_chain_is_split_evenly() -> None:
+    n = 8
+    problem = make_problem(np.ones(n), np.zeros(n), np.zeros(n), np.zeros(n + 1),
+                           np.ones(n + 1, bool), (1.0,) * 4, (1,) * 4)
+    result = solve(problem)
+    assert result is not None
+    assert result.boundaries == (0, 2, 4, 6, 8) and result.bottleneck == 2.0
+
+
+def test_memory_limit_moves_the_boundary() -> None:
+    # Node 0 is heavy in memory: a stage may hold it only alone.
+    static = np.array([5.0, 1.0, 1.0, 1.0])
+    problem = make_problem(np.array([1.0, 1.0, 1.0, 1.0]), static, np.zeros(4), np.zeros(5),
+                           np.ones(5, bool), (5.0, 10.0), (1, 1))
+    result = solve(problem)
+    assert result is not None and result.boundaries == (0, 1, 4)
+
+
+def test_no_partition_fits() -> None:
+    problem = make_problem(np.ones(3), np.full(3, 2.0), np.zeros(3), np.zeros(4),
+                           np.ones(4, bool), (1.0, 1.0), (1, 1))
+    assert solve(problem) is None and brute_force(problem) is None
