@@ -39,7 +39,7 @@ class NodeArrays:
     bwd_s: np.ndarray
     static_bytes: np.ndarray  # params + grads + optimizer state + buffers
     activation_bytes: np.ndarray  # saved for backward, per micro-batch in flight
-    cut_s: np.ndarray  # length n + 1: forward send + backward send across each cut
+    cut_bytes: np.ndarray  # length n + 1: bytes live across each cut
 
 
 def node_arrays(graph: CostGraph, device: Device, micro_batch: int,
@@ -58,9 +58,21 @@ def node_arrays(graph: CostGraph, device: Device, micro_batch: int,
     states = 2 + OPTIMIZER_STATE_RATIO[training.optimizer]
     static = param_bytes * states + np.array([n.buffer_bytes for n in graph.nodes], dtype=float)
     cut_bytes = np.array([c.at(micro_batch) for c in graph.cut_bytes]) * ratio
-    cut_s = 2 * (device.intra_node_latency_s + cut_bytes / device.intra_node_bandwidth)
-    cut_s[0] = cut_s[-1] = 0.0
-    return NodeArrays(fwd, bwd, static, out_bytes, cut_s)
+    cut_bytes[0] = cut_bytes[-1] = 0.0  # the graph's ends send nothing
+    return NodeArrays(fwd, bwd, static, out_bytes, cut_bytes)
+
+
+def boundary_s(cut_bytes: np.ndarray, device: Device, inter_node: bool) -> np.ndarray:
+    """Forward send of the activations plus backward send of their gradients, per cut."""
+    latency, bandwidth = ((device.inter_node_latency_s, device.inter_node_bandwidth) if inter_node
+                          else (device.intra_node_latency_s, device.intra_node_bandwidth))
+    return np.where(cut_bytes > 0, 2 * (latency + cut_bytes / bandwidth), 0.0)
+
+
+def crosses_nodes(stage: int, num_stages: int, replicas: int, devices_per_node: int) -> bool:
+    """Whether stage → stage + 1 crosses a node in some replica (rank = replica · pp + stage)."""
+    return any((r * num_stages + stage) // devices_per_node
+               != (r * num_stages + stage + 1) // devices_per_node for r in range(replicas))
 
 
 def usable_memory(device: Device) -> float:

@@ -3,7 +3,8 @@
 Pure numbers in, numbers out (numpy, no torch), so it can be checked against brute force.
 
 Legend: n nodes in topological order; a stage covers nodes [j, i) and is cut at j and i;
-``time[i] - time[j]`` is its compute time, ``cut_s[i]`` the cost of sending its output;
+``time[i] - time[j]`` is its compute time, ``cut_s[s, i]`` the cost of stage s sending its output
+(per stage, since the link to the next stage may be inter-node);
 stage s holds its static bytes once and its activation bytes ``in_flight[s]`` times.
 """
 
@@ -20,7 +21,7 @@ class Problem:
     """Prefix sums (length n + 1) of per-node costs, the cuts allowed, and each stage's limits."""
 
     time: np.ndarray
-    cut_s: np.ndarray
+    cut_s: np.ndarray  # (num_stages, n + 1)
     static_bytes: np.ndarray
     activation_bytes: np.ndarray
     legal: np.ndarray  # bool, legal[i]: a boundary may sit before node i
@@ -45,15 +46,19 @@ class Partition:
 def make_problem(costs: np.ndarray, static: np.ndarray, activation: np.ndarray,
                  cut_s: np.ndarray, legal: np.ndarray, capacity: tuple[float, ...],
                  in_flight: tuple[int, ...]) -> Problem:
-    """Build a Problem from per-node arrays (length n) and per-cut arrays (length n + 1)."""
+    """Build a Problem from per-node arrays (length n) and per-cut arrays (length n + 1).
+
+    ``cut_s`` is one row for all stages or one row per stage.
+    """
     def prefix(values: np.ndarray) -> np.ndarray:
         return np.concatenate(([0.0], np.cumsum(values, dtype=float)))
-    return Problem(prefix(costs), np.asarray(cut_s, float), prefix(static), prefix(activation),
+    cut = np.broadcast_to(np.asarray(cut_s, float), (len(capacity), len(costs) + 1))
+    return Problem(prefix(costs), cut, prefix(static), prefix(activation),
                    np.asarray(legal, bool), capacity, in_flight)
 
 
-def stage_time(p: Problem, start: int, end: int) -> float:
-    return float(p.time[end] - p.time[start] + p.cut_s[end])
+def stage_time(p: Problem, stage: int, start: int, end: int) -> float:
+    return float(p.time[end] - p.time[start] + p.cut_s[stage, end])
 
 
 def stage_memory(p: Problem, stage: int, start: int, end: int) -> float:
@@ -79,7 +84,7 @@ def solve(p: Problem) -> Partition | None:
 def _relax(p: Problem, best: np.ndarray, choice: np.ndarray, s: int, end: int) -> None:
     """best[s, end] = min over start of max(best[s-1, start], time of stage s-1 = [start, end))."""
     starts = np.arange(end)
-    time = p.time[end] - p.time[:end] + p.cut_s[end]
+    time = p.time[end] - p.time[:end] + p.cut_s[s - 1, end]
     memory = (p.static_bytes[end] - p.static_bytes[:end]
               + p.in_flight[s - 1] * (p.activation_bytes[end] - p.activation_bytes[:end]))
     ok = p.legal[:end] & (memory <= p.capacity[s - 1]) & np.isfinite(best[s - 1, :end])
@@ -108,7 +113,7 @@ def brute_force(p: Problem) -> Partition | None:
         spans = list(itertools.pairwise(bounds))
         if any(stage_memory(p, s, a, b) > p.capacity[s] for s, (a, b) in enumerate(spans)):
             continue
-        bottleneck = max(stage_time(p, a, b) for a, b in spans)
+        bottleneck = max(stage_time(p, s, a, b) for s, (a, b) in enumerate(spans))
         if best is None or bottleneck < best.bottleneck:
             best = Partition(bounds, bottleneck)
     return best

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipec.annotate import CostGraph
-from pipec.costmodel import NodeArrays, Training, allreduce_s, node_arrays, usable_memory
+from pipec.costmodel import (NodeArrays, Training, allreduce_s, boundary_s, crosses_nodes,
+                             node_arrays, usable_memory)
 from pipec.errors import ConfigError, InfeasibleError
 from pipec.hardware import GIB, Device
 from pipec.partition import Partition, make_problem, solve
@@ -91,6 +92,7 @@ class _Evaluated:
     schedule: str
     partition: Partition
     arrays: NodeArrays
+    cut_s: np.ndarray  # (pp, n + 1): stage s sending across each cut
     memory: tuple[float, ...]
     simulation: Simulation
     iteration_s: float
@@ -159,8 +161,9 @@ def _evaluate(graph: CostGraph, request: PlanRequest, pp: int, dp: int, micro_ba
     num_micro_batches = request.global_batch // (dp * micro_batch)
     flights = in_flight(schedule, pp, num_micro_batches)
     capacity = usable_memory(request.device) if fits_only else float("inf")
+    cut_s = _boundary_times(request, arrays, pp, dp)
     problem = make_problem(arrays.fwd_s + arrays.bwd_s, arrays.static_bytes,
-                           arrays.activation_bytes, arrays.cut_s,
+                           arrays.activation_bytes, cut_s,
                            np.array(graph.legal_cuts), (capacity,) * pp, flights)
     partition = solve(problem)
     if partition is None:
@@ -168,12 +171,20 @@ def _evaluate(graph: CostGraph, request: PlanRequest, pp: int, dp: int, micro_ba
     spans = list(itertools.pairwise(partition.boundaries))
     memory = tuple(float(arrays.static_bytes[a:b].sum() + f * arrays.activation_bytes[a:b].sum())
                    for (a, b), f in zip(spans, flights, strict=True))
-    fwd = [float(arrays.fwd_s[a:b].sum() + arrays.cut_s[b] / 2) for a, b in spans]
-    bwd = [float(arrays.bwd_s[a:b].sum() + arrays.cut_s[b] / 2) for a, b in spans]
+    fwd = [float(arrays.fwd_s[a:b].sum() + cut_s[s, b] / 2) for s, (a, b) in enumerate(spans)]
+    bwd = [float(arrays.bwd_s[a:b].sum() + cut_s[s, b] / 2) for s, (a, b) in enumerate(spans)]
     simulation = simulate(schedule, fwd, bwd, num_micro_batches)
     grad_bytes = max(sum(n.param_bytes for n in graph.nodes[a:b]) for a, b in spans)
     iteration = simulation.iteration_s + allreduce_s(grad_bytes, dp, request.device)
-    return _Evaluated(micro_batch, schedule, partition, arrays, memory, simulation, iteration)
+    return _Evaluated(micro_batch, schedule, partition, arrays, cut_s, memory, simulation,
+                      iteration)
+
+
+def _boundary_times(request: PlanRequest, arrays: NodeArrays, pp: int, dp: int) -> np.ndarray:
+    """Per stage, the time to send across each cut over the link to the next stage's device."""
+    per_node = request.gpus // request.nodes
+    return np.stack([boundary_s(arrays.cut_bytes, request.device,
+                                crosses_nodes(s, pp, dp, per_node)) for s in range(pp)])
 
 
 def _candidate(request: PlanRequest, dp: int, e: _Evaluated) -> Candidate:
@@ -210,7 +221,7 @@ def _stage_plan(graph: CostGraph, e: _Evaluated, s: int, a: int, b: int) -> Stag
         bwd_flops=sum(n.bwd_flops.at(m) for n in nodes),
         activation_bytes=float(e.arrays.activation_bytes[a:b].sum()),
         memory_bytes=e.memory[s],
-        time_s=float(e.arrays.fwd_s[a:b].sum() + e.arrays.bwd_s[a:b].sum() + e.arrays.cut_s[b]),
+        time_s=float(e.arrays.fwd_s[a:b].sum() + e.arrays.bwd_s[a:b].sum() + e.cut_s[s, b]),
         boundary_bytes=0.0 if b == len(graph.nodes) else graph.cut_bytes[b].at(m),
     )
 

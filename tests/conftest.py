@@ -75,9 +75,10 @@ def free_port() -> int:
 
 def _worker(rank: int, out: str, world_size: int, port: int, args: list[str], logs: str) -> None:
     """One rank of the emitted script, forked from the test process (as torchrun would start it)."""
-    log = os.open(os.path.join(logs, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
+    log = open(os.path.join(logs, f"rank{rank}.log"), "w", buffering=1)  # noqa: SIM115
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    sys.stdout = sys.stderr = log  # pytest's capture objects were inherited through fork
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     sys.path.insert(0, out)
@@ -94,9 +95,9 @@ def run_forked(out: Path, world_size: int, *args: str, logs: Path | None = None)
         mp.start_processes(_worker, args=(str(out), world_size, free_port(), list(args),
                                           str(logs)),
                            nprocs=world_size, join=True, start_method="fork")
-    except mp.ProcessRaisedException:
+    except mp.ProcessRaisedException as exc:
         text = "\n".join(p.read_text() for p in sorted(logs.glob("rank*.log")))
-        pytest.fail(f"emitted script failed:\n{text[-4000:]}")
+        pytest.fail(f"emitted script failed:\n{text[-3000:]}\n{exc}")
     return losses_of("".join(p.read_text() for p in sorted(logs.glob("rank*.log"))))
 
 

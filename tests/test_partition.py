@@ -19,7 +19,8 @@ def problems(draw: st.DrawFn) -> tuple:
     costs = np.array(draw(st.lists(floats, min_size=n, max_size=n)))
     static = np.array(draw(st.lists(floats, min_size=n, max_size=n)))
     activation = np.array(draw(st.lists(floats, min_size=n, max_size=n)))
-    cut_s = np.array([0.0, *draw(st.lists(floats, min_size=n - 1, max_size=n - 1)), 0.0])
+    cut_s = np.array([[0.0, *draw(st.lists(floats, min_size=n - 1, max_size=n - 1)), 0.0]
+                      for _ in range(stages)])
     legal = np.array([True, *draw(st.lists(st.booleans(), min_size=n - 1, max_size=n - 1)),
                       True])
     # Capacities between "almost nothing fits" and "everything fits", so memory binds often.
@@ -52,7 +53,8 @@ def test_dp_partition_is_valid_and_achieves_its_bottleneck(problem: object) -> N
     spans = list(itertools.pairwise(bounds))
     for s, (a, b) in enumerate(spans):
         assert stage_memory(p, s, a, b) <= p.capacity[s]  # type: ignore[arg-type, attr-defined]
-    assert max(stage_time(p, a, b) for a, b in spans) == result.bottleneck  # type: ignore[arg-type]
+    assert max(stage_time(p, s, a, b)  # type: ignore[arg-type]
+               for s, (a, b) in enumerate(spans)) == result.bottleneck
 
 
 def test_balanced_chain_is_split_evenly() -> None:

@@ -69,3 +69,21 @@ def test_bad_options(tmp_path: Path, options: dict[str, object], message: str) -
     with pytest.raises(ConfigError, match=message):
         compile_to(SAMPLES / "mlp.py", tmp_path / "o", **options)
     assert not (tmp_path / "o").exists()
+
+
+def test_boundaries_between_nodes_cost_the_inter_node_link(tmp_path: Path) -> None:
+    one = compile_to(SAMPLES / "gpt.py", tmp_path / "a", gpus=4, batch_size=16, micro_batch=4,
+                     schedule="1f1b", hardware="a100-80g")
+    two = compile_to(SAMPLES / "gpt.py", tmp_path / "b", gpus=4, nodes=2, batch_size=16,
+                     micro_batch=4, schedule="1f1b", hardware="a100-80g")
+    # Stage 1 → 2 crosses from node 0 to node 1; InfiniBand is slower than NVLink.
+    assert two.iteration_s > one.iteration_s
+
+
+def test_crosses_nodes() -> None:
+    from pipec.costmodel import crosses_nodes
+
+    # 4 stages × 2 replicas on 2 nodes of 4: only stage 3 → 0 (not a boundary) crosses.
+    assert [crosses_nodes(s, 4, 2, 4) for s in range(3)] == [False, False, False]
+    # 8 stages on 2 nodes of 4: stage 3 → 4 crosses.
+    assert [crosses_nodes(s, 8, 1, 4) for s in range(7)] == [s == 3 for s in range(7)]

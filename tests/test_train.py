@@ -1,0 +1,100 @@
+"""The emitted script trains: same seed, same losses on 1 process and on any plan (transparency).
+
+Most runs fork the ranks from the test process (fast); a few launch real `torchrun`.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import MODELS, SAMPLES, compile_to, losses_of, run_forked
+
+STEPS = "4"
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+
+
+def assert_same_losses(actual: list[float], expected: list[float]) -> None:
+    assert len(actual) == len(expected) == int(STEPS)
+    for a, e in zip(actual, expected, strict=True):
+        assert abs(a - e) <= 1e-4 * abs(e), (actual, expected)
+
+
+def train(model: Path, tmp_path: Path, name: str, processes: int, **options: object
+          ) -> list[float]:
+    options.setdefault("gpus", processes)
+    compile_to(model, tmp_path / name, batch_size=16, **options)
+    return run_forked(tmp_path / name, processes, "--steps", STEPS, "--seed", "3")
+
+
+@pytest.mark.parametrize("sample", ["mlp", "gpt"])
+def test_losses_equal_on_1_2_and_4_stages(sample: str, tmp_path: Path) -> None:
+    reference = train(SAMPLES / f"{sample}.py", tmp_path, "one", 1)
+    assert len(set(reference)) > 1  # the model is really training
+    for stages in (2, 4):
+        assert_same_losses(train(SAMPLES / f"{sample}.py", tmp_path, f"pp{stages}", stages),
+                           reference)
+
+
+def test_group_norm_resnet_equal_on_1_and_4_stages(tmp_path: Path) -> None:
+    reference = train(SAMPLES / "resnet.py", tmp_path, "one", 1, norm="group")
+    assert_same_losses(train(SAMPLES / "resnet.py", tmp_path, "pp4", 4), reference)
+
+
+def test_two_inputs_and_long_skip_through_the_pipeline(tmp_path: Path) -> None:
+    reference = train(MODELS / "skip_two_inputs.py", tmp_path, "one", 1)
+    assert_same_losses(train(MODELS / "skip_two_inputs.py", tmp_path, "pp3", 3, schedule="gpipe"),
+                       reference)
+
+
+def test_pipeline_times_data_parallel_equals_one_process(tmp_path: Path) -> None:
+    reference = train(SAMPLES / "mlp.py", tmp_path, "one", 1)
+    assert_same_losses(train(SAMPLES / "mlp.py", tmp_path, "pp2dp2", 4, pp=2), reference)
+
+
+def test_real_dataset_trains_identically_and_learns(tmp_path: Path) -> None:
+    compile_to(MODELS / "digits_mlp.py", tmp_path / "one", gpus=1, batch_size=64,
+               optimizer="adamw")
+    compile_to(MODELS / "digits_mlp.py", tmp_path / "pp2", gpus=2, batch_size=64,
+               optimizer="adamw")
+    reference = run_forked(tmp_path / "one", 1, "--steps", "30", "--lr", "0.01")
+    piped = run_forked(tmp_path / "pp2", 2, "--steps", "30", "--lr", "0.01")
+    assert len(piped) == 30
+    for a, e in zip(piped, reference, strict=True):
+        assert abs(a - e) <= 1e-4 * abs(e)
+    assert sum(reference[-5:]) / 5 < 0.5 * sum(reference[:5]) / 5
+
+
+def run_script(command: list[str], cwd: Path) -> str:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout
+
+
+@pytest.mark.slow
+def test_torchrun_2_and_4_processes_equal_one(tmp_path: Path) -> None:
+    """Real launches: `python train.py` on one process, `torchrun --standalone` on 2 and 4."""
+    for gpus in (1, 2, 4):
+        compile_to(SAMPLES / "mlp.py", tmp_path / f"g{gpus}", gpus=gpus, batch_size=16)
+    reference = losses_of(run_script([sys.executable, "train.py", "--steps", STEPS],
+                                     tmp_path / "g1"))
+    for gpus in (2, 4):
+        output = run_script([str(TORCHRUN), "--standalone", "--nproc_per_node", str(gpus),
+                             "train.py", "--steps", STEPS], tmp_path / f"g{gpus}")
+        assert_same_losses(losses_of(output), reference)
+        assert "samples/s" in output.splitlines()[-1]
+
+
+def test_non_contiguous_values_and_gradients_cross_every_cut(tmp_path: Path) -> None:
+    """One stage per node: transposed activations and view gradients cross boundaries."""
+    reference = train(MODELS / "transposed.py", tmp_path, "one", 1)
+    plan = compile_to(MODELS / "transposed.py", tmp_path / "probe", gpus=1, batch_size=16)
+    stages = plan.stages[0].end  # as many stages as compute nodes
+    assert_same_losses(train(MODELS / "transposed.py", tmp_path, "every", stages,
+                             schedule="gpipe"), reference)
