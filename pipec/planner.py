@@ -13,8 +13,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipec.annotate import CostGraph
-from pipec.costmodel import (NodeArrays, Training, allreduce_s, boundary_s, crosses_nodes,
-                             node_arrays, usable_memory)
+from pipec.costmodel import (
+    NodeArrays,
+    Training,
+    allreduce_s,
+    boundary_s,
+    crosses_nodes,
+    node_arrays,
+    usable_memory,
+)
 from pipec.errors import ConfigError, InfeasibleError
 from pipec.hardware import GIB, Device
 from pipec.partition import Partition, make_problem, solve
