@@ -18,6 +18,12 @@ def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]
     return subprocess.run([*PIPEC, *args], capture_output=True, text=True, cwd=cwd, timeout=120)
 
 
+def test_console_script() -> None:
+    script = Path(sys.executable).with_name("pipec")
+    result = subprocess.run([str(script), "--version"], capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.startswith("pipec ")
+
+
 def test_help() -> None:
     result = run("--help")
     assert result.returncode == 0 and "compile" in result.stdout
