@@ -25,7 +25,6 @@ from pipec.loader import ModelSpec
 from pipec.normalize import NormPlan
 from pipec.planner import Plan
 from pipec.report import (
-    TOP_CANDIDATES,
     baseline_table,
     norm_table,
     search_table,
@@ -68,7 +67,7 @@ def render(spec: ModelSpec, traced: Traced, plan: Plan, norms: NormPlan,
            staged: Staged) -> dict[str, bytes]:
     """Every output file's bytes, by name."""
     context = _context(spec, traced, plan, norms)
-    files = {
+    return {
         "model.py": spec.source,
         "train.py": _render("train.py.j2", context),
         "stages.py": _render("stages.py.j2", {**context, **_stage_context(plan, norms, staged)}),
@@ -77,7 +76,6 @@ def render(spec: ModelSpec, traced: Traced, plan: Plan, norms: NormPlan,
                       + "\n").encode(),
         "timeline.svg": timeline_svg(plan.simulation, plan.pp, _timeline_title(plan)).encode(),
     }
-    return files
 
 
 def plan_dict(plan: Plan, norms: NormPlan, traced: Traced) -> dict[str, Any]:
@@ -158,8 +156,8 @@ def _report_context(plan: Plan, norms: NormPlan) -> dict[str, Any]:
     return {
         "stage_table": stage_table(plan), "search_table": search_table(plan),
         "baseline_table": baseline_table(plan), "norm_table": norm_table(norms),
-        "top_candidates": min(TOP_CANDIDATES, len(plan.candidates)),
         "num_candidates": len(plan.candidates),
+        "num_fitting": sum(c.feasible for c in plan.candidates),
         "predicted_peak": _gib(max(s.memory_bytes for s in plan.stages)),
         "device_memory": _gib(usable_memory(plan.request.device)),
     }

@@ -108,19 +108,21 @@ class _Evaluated:
 def plan(graph: CostGraph, request: PlanRequest) -> Plan:
     pp, dp = _split_devices(graph, request)
     replica_batch = request.global_batch // dp
-    evaluated = [_evaluate(graph, request, pp, dp, m, schedule, fits_only=True)
-                 for m in _micro_batches(request, replica_batch)
-                 for schedule in _schedules(request)
-                 if runs(schedule, pp, replica_batch // m)]
-    feasible = [e for e in evaluated if e is not None]
-    if not evaluated:
+    points = [(m, schedule) for m in _micro_batches(request, replica_batch)
+              for schedule in _schedules(request) if runs(schedule, pp, replica_batch // m)]
+    if not points:
         raise ConfigError(f"--schedule {request.schedule} needs at least {pp} micro-batches per "
                           f"step (one per stage); use a smaller --micro-batch or --schedule gpipe")
+    fitting = {point: _evaluate(graph, request, pp, dp, *point, fits_only=True)
+               for point in points}
+    feasible = [e for e in fitting.values() if e is not None]
     if not feasible:
         raise _infeasible(graph, request, pp, dp)
     best = min(feasible, key=lambda e: (e.iteration_s, max(e.memory), -e.micro_batch,
                                         SCHEDULES.index(e.schedule)))
-    candidates = tuple(_candidate(request, dp, e) for e in feasible)
+    # Points that do not fit are reported with their time-balanced plan's memory, to show why.
+    candidates = tuple(_candidate(request, dp, e or _unlimited(graph, request, pp, dp, *point))
+                       for point, e in fitting.items())
     return Plan(request, pp, dp, best.micro_batch, replica_batch // best.micro_batch,
                 best.schedule, _stage_plans(graph, best), best.simulation, best.iteration_s,
                 request.global_batch / best.iteration_s, candidates,
@@ -194,6 +196,14 @@ def _boundary_times(request: PlanRequest, arrays: NodeArrays, pp: int, dp: int) 
                                 crosses_nodes(s, pp, dp, per_node)) for s in range(pp)])
 
 
+def _unlimited(graph: CostGraph, request: PlanRequest, pp: int, dp: int, micro_batch: int,
+               schedule: str) -> _Evaluated:
+    """The candidate partitioned for time alone (no memory limit): always exists."""
+    e = _evaluate(graph, request, pp, dp, micro_batch, schedule, fits_only=False)
+    assert e is not None  # without a memory limit every legal partition is allowed
+    return e
+
+
 def _candidate(request: PlanRequest, dp: int, e: _Evaluated) -> Candidate:
     return Candidate(e.micro_batch, request.global_batch // (dp * e.micro_batch), e.schedule,
                      request.global_batch / e.iteration_s, max(e.memory),
@@ -206,8 +216,7 @@ def _conventional(graph: CostGraph, request: PlanRequest, pp: int, dp: int) -> B
     micro_batch = max(1, replica_batch // (4 * pp))
     while replica_batch % micro_batch:
         micro_batch -= 1
-    e = _evaluate(graph, request, pp, dp, micro_batch, "gpipe", fits_only=False)
-    assert e is not None  # without a memory limit every legal partition is allowed
+    e = _unlimited(graph, request, pp, dp, micro_batch, "gpipe")
     return Baseline("conventional", micro_batch, "gpipe", request.global_batch / e.iteration_s,
                     max(e.memory) <= usable_memory(request.device))
 
@@ -243,9 +252,9 @@ def _module_names(owners: list[str], depth: int = 2) -> tuple[str, ...]:
 
 
 def _infeasible(graph: CostGraph, request: PlanRequest, pp: int, dp: int) -> InfeasibleError:
-    e = _evaluate(graph, request, pp, dp, 1, "gpipe" if request.global_batch // dp < pp
-                  else "1f1b", fits_only=False)
-    need = max(e.memory) / GIB if e else float("nan")
+    e = _unlimited(graph, request, pp, dp, 1,
+                   "gpipe" if request.global_batch // dp < pp else "1f1b")
+    need = max(e.memory) / GIB
     have = usable_memory(request.device) / GIB
     return InfeasibleError(
         f"the model needs {need:.2f} GiB on its fullest device even at micro-batch 1, have "

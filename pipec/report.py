@@ -24,7 +24,11 @@ def stage_table(plan: Plan) -> str:
 
 
 def search_table(plan: Plan) -> str:
-    ranked = sorted(plan.candidates, key=lambda c: -c.samples_per_s)[:TOP_CANDIDATES]
+    """The fastest candidates that fit, then the fastest that do not (if any)."""
+    fits = sorted((c for c in plan.candidates if c.feasible), key=lambda c: -c.samples_per_s)
+    too_big = sorted((c for c in plan.candidates if not c.feasible),
+                     key=lambda c: -c.samples_per_s)
+    ranked = fits[:TOP_CANDIDATES] + too_big[:3]
     rows = [(c.micro_batch, c.num_micro_batches, c.schedule, f"{plan.pp}×{plan.dp}",
              f"{c.samples_per_s:,.1f}", f"{c.peak_memory_bytes / MIB:,.1f}",
              "yes" if c.feasible else "no") for c in ranked]

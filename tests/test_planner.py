@@ -87,3 +87,19 @@ def test_crosses_nodes() -> None:
     assert [crosses_nodes(s, 4, 2, 4) for s in range(3)] == [False, False, False]
     # 8 stages on 2 nodes of 4: stage 3 → 4 crosses.
     assert [crosses_nodes(s, 8, 1, 4) for s in range(7)] == [s == 3 for s in range(7)]
+
+
+def test_candidates_that_do_not_fit_are_reported_not_chosen(tmp_path: Path) -> None:
+    small = tmp_path / "small.json"
+    # 48 MiB: GPipe with the whole batch in flight does not fit, small micro-batches do.
+    small.write_text('{"name": "small", "fp32_flops": 1e12, "bf16_flops": 1e12, '
+                     '"memory_bandwidth": 1e11, "memory_bytes": 50331648, '
+                     '"intra_node_bandwidth": 1e10, "inter_node_bandwidth": 1e9, '
+                     '"intra_node_latency_s": 1e-6, "inter_node_latency_s": 1e-5, '
+                     '"kernel_overhead_s": 1e-5, "efficiency": 0.5}')
+    plan = compile_to(SAMPLES / "resnet.py", tmp_path / "o", gpus=2, batch_size=64,
+                      hardware=str(small))
+    too_big = [c for c in plan.candidates if not c.feasible]
+    assert too_big and all(c.peak_memory_bytes > 48 * 2**20 * 0.9 for c in too_big)
+    assert max(s.memory_bytes for s in plan.stages) <= 48 * 2**20 * 0.9
+    assert "| no " in (tmp_path / "o" / "report.md").read_text()

@@ -98,3 +98,12 @@ def test_non_contiguous_values_and_gradients_cross_every_cut(tmp_path: Path) -> 
     stages = plan.stages[0].end  # as many stages as compute nodes
     assert_same_losses(train(MODELS / "transposed.py", tmp_path, "every", stages,
                              schedule="gpipe"), reference)
+
+
+def test_bf16_autocast_trains_close_to_fp32(tmp_path: Path) -> None:
+    reference = train(SAMPLES / "gpt.py", tmp_path, "fp32", 2)
+    mixed = train(SAMPLES / "gpt.py", tmp_path, "bf16", 2, precision="bf16")
+    assert "PRECISION = \"bf16\"" in (tmp_path / "bf16" / "train.py").read_text()
+    assert mixed != reference  # autocast really ran in bf16
+    for a, e in zip(mixed, reference, strict=True):
+        assert abs(a - e) <= 0.02 * e
