@@ -55,6 +55,22 @@ class NodeCost:
 
 
 @dataclass(frozen=True)
+class ValueSpec:
+    """A tensor that may cross a stage boundary: what the receiving stage must allocate."""
+
+    name: str
+    shape_one: tuple[int, ...]  # at batch 1
+    shape_two: tuple[int, ...]  # at batch 2
+    dtype: str  # torch dtype name, e.g. "float32"
+    requires_grad: bool
+
+    def shape_at(self, micro_batch: int) -> tuple[int, ...]:
+        """Shapes are linear in the batch: the batch dimension grows, the others do not."""
+        return tuple(a + (b - a) * (micro_batch - 1)
+                     for a, b in zip(self.shape_one, self.shape_two, strict=True))
+
+
+@dataclass(frozen=True)
 class CostGraph:
     """Costs of the compute nodes in topological order, and of every possible cut.
 
@@ -64,6 +80,10 @@ class CostGraph:
     nodes: tuple[NodeCost, ...]
     cut_bytes: tuple[Linear, ...]  # bytes of the values live across each cut (n + 1 entries)
     legal_cuts: tuple[bool, ...]  # a stage boundary may sit at this cut
+    values: tuple[ValueSpec, ...]  # inputs and tensor-valued nodes, in graph order
+
+    def value(self, name: str) -> ValueSpec:
+        return next(v for v in self.values if v.name == name)
 
     @property
     def total_params(self) -> int:
@@ -84,7 +104,15 @@ def annotate(traced: Traced, inputs_at: Sequence[tuple[torch.Tensor, ...]]) -> C
     cut_bytes = tuple(_sum_linear(sizes[v] for v in live) for live in _live_sets(lifetimes,
                                                                                    len(compute)))
     legal = _legal_cuts(gm, compute, lifetimes, params, nodes)
-    return CostGraph(nodes=nodes, cut_bytes=cut_bytes, legal_cuts=legal)
+    values = tuple(_value_spec(n.name, one[n.name].value, two[n.name].value)
+                   for n in gm.graph.nodes if n.name in lifetimes
+                   and isinstance(one[n.name].value, torch.Tensor))
+    return CostGraph(nodes=nodes, cut_bytes=cut_bytes, legal_cuts=legal, values=values)
+
+
+def _value_spec(name: str, one: torch.Tensor, two: torch.Tensor) -> ValueSpec:
+    dtype = str(one.dtype).removeprefix("torch.")
+    return ValueSpec(name, tuple(one.shape), tuple(two.shape), dtype, bool(one.requires_grad))
 
 
 @dataclass(frozen=True)
@@ -113,8 +141,9 @@ class _MeasuringInterpreter(fx.Interpreter):
 
 
 def _measure(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...]) -> dict[str, _Measured]:
+    """Run with autograd on, so that each value's ``requires_grad`` is what training sees."""
     interpreter = _MeasuringInterpreter(gm)
-    with torch.no_grad():
+    with torch.enable_grad():
         interpreter.run(*inputs)
     return interpreter.measured
 

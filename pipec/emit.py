@@ -32,7 +32,7 @@ from pipec.report import (
     timeline_svg,
 )
 from pipec.schedule import SCHEDULES
-from pipec.split import Staged
+from pipec.split import Boundary, Staged
 from pipec.trace import Traced
 
 MARKER = "plan.json"  # a directory holding this (and train.py) is a previous pipec output
@@ -147,6 +147,8 @@ def _stage_context(plan: Plan, norms: NormPlan, staged: Staged) -> dict[str, Any
         "index": code.index, "class_name": code.class_name, "module_paths": code.module_paths,
         "summary": _summary(stage.modules, stage.end - stage.start),
         "forward": _indent(code.forward_source),
+        "input_specs": _specs_literal(code.input_specs),
+        "output_specs": _specs_literal(code.output_specs),
     } for code, stage in zip(staged.stages, plan.stages, strict=True)]
     return {"stages": stages, "imports": staged.imports, "norm_rewrites": norms.rewrites,
             "num_stages": plan.pp}
@@ -167,6 +169,12 @@ def _summary(modules: tuple[str, ...], num_nodes: int) -> str:
     names = ", ".join(modules) if len(modules) <= 8 else (
         ", ".join(modules[:4]) + f", ... {modules[-1]}")
     return f"{names or 'functions'} ({num_nodes} graph nodes)"
+
+
+def _specs_literal(specs: tuple[Boundary, ...]) -> str:
+    """A Python literal: a tuple of (shape, dtype, requires_grad)."""
+    items = [f'({b.shape!r}, "{b.dtype}", {b.requires_grad})' for b in specs]
+    return f"({items[0]},)" if len(items) == 1 else f"({', '.join(items)})"
 
 
 def _indent(source: str) -> str:

@@ -14,16 +14,27 @@ import inspect
 import math
 import re
 import textwrap
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 from torch import fx
+from torch.fx.graph import PythonCode
 
-from pipec.annotate import COMPUTE_OPS, live_values
+from pipec.annotate import COMPUTE_OPS, CostGraph, ValueSpec, live_values
 from pipec.errors import TraceError
 from pipec.planner import Plan
 from pipec.trace import Traced
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """One tensor a stage receives or sends, at the plan's micro-batch size."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    requires_grad: bool
 
 
 @dataclass(frozen=True)
@@ -34,6 +45,8 @@ class StageCode:
     outputs: tuple[str, ...]  # empty for the last stage, which returns the model's output
     module_paths: tuple[str, ...]  # submodules and attributes the stage keeps
     forward_source: str  # ``def forward(self, ...)`` and its body, unindented
+    input_specs: tuple[Boundary, ...]
+    output_specs: tuple[Boundary, ...]  # for the last stage: the model's output(s)
 
 
 @dataclass(frozen=True)
@@ -42,7 +55,7 @@ class Staged:
     imports: tuple[str, ...]  # import lines the generated code needs
 
 
-def split(traced: Traced, plan: Plan, user_module: str) -> Staged:
+def split(traced: Traced, graph: CostGraph, plan: Plan, user_module: str) -> Staged:
     gm = traced.graph_module
     compute = [n for n in gm.graph.nodes if n.op in COMPUTE_OPS]
     live = live_values(gm)
@@ -51,15 +64,45 @@ def split(traced: Traced, plan: Plan, user_module: str) -> Staged:
     for stage in plan.stages:
         last = stage.index == len(plan.stages) - 1
         outputs = () if last else tuple(live[stage.end])
-        graph, paths = _stage_graph(gm, compute[stage.start:stage.end], live[stage.start],
-                                    outputs)
-        code = graph.python_code(root_module="self")
-        used = {name: value for name, value in code.globals.items()
-                if name != "torch" and re.search(rf"\b{re.escape(name)}\b", code.src)}
-        imports.update(dict.fromkeys(_import_lines(used, user_module)))
-        codes.append(StageCode(stage.index, f"Stage{stage.index}", tuple(live[stage.start]),
-                               outputs, paths, _tidy(code.src)))
+        stage_graph, paths = _stage_graph(gm, compute[stage.start:stage.end], live[stage.start],
+                                          outputs)
+        source, lines = _stage_source(stage_graph.python_code(root_module="self"), user_module)
+        imports.update(dict.fromkeys(lines))
+        specs = _Specs(graph, plan)
+        codes.append(StageCode(
+            stage.index, f"Stage{stage.index}", tuple(live[stage.start]), outputs, paths, source,
+            input_specs=specs.of(live[stage.start], sent=stage.index > 0),
+            output_specs=specs.of(outputs or _model_outputs(gm), sent=not last)))
     return Staged(tuple(codes), tuple(sorted(imports)))
+
+
+@dataclass(frozen=True)
+class _Specs:
+    graph: CostGraph
+    plan: Plan
+
+    def of(self, names: Sequence[str], sent: bool) -> tuple[Boundary, ...]:
+        """Boundaries at the micro-batch size; a tensor sent between stages under bf16
+        autocast travels in bf16 (the stage casts it), halving the bytes sent."""
+        bf16 = sent and self.plan.request.training.precision == "bf16"
+        return tuple(_boundary(self.graph.value(name), self.plan.micro_batch, bf16)
+                     for name in names)
+
+
+def _boundary(value: ValueSpec, micro_batch: int, bf16: bool) -> Boundary:
+    floating = value.dtype in ("float32", "float16", "bfloat16", "float64")
+    return Boundary(value.shape_at(micro_batch), "bfloat16" if bf16 and floating else value.dtype,
+                    value.requires_grad)
+
+
+def _model_outputs(gm: fx.GraphModule) -> tuple[str, ...]:
+    """The names of the model's output tensors: the last stage's outputs."""
+    output = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    values = output if isinstance(output, tuple | list) else (output,)
+    if not all(isinstance(v, fx.Node) for v in values):
+        raise TraceError("the model's forward must return a tensor or a tuple of tensors to be "
+                         "pipelined; return the loss input and compute extras outside forward")
+    return tuple(v.name for v in values)
 
 
 def _stage_graph(gm: fx.GraphModule, nodes: list[fx.Node], inputs: list[str],
@@ -87,6 +130,30 @@ def _stage_graph(gm: fx.GraphModule, nodes: list[fx.Node], inputs: list[str],
     return graph, _outermost(paths)
 
 
+def _stage_source(code: PythonCode, user_module: str) -> tuple[str, list[str]]:
+    """fx's source for a stage, made standalone: (source, the import lines it needs)."""
+    # fx re-registers wrapped functions for re-tracing; an emitted file does not retrace.
+    source = "\n".join(line for line in code.src.splitlines()
+                       if not line.strip().startswith("torch.fx._symbolic_trace.wrap("))
+    imports = []
+    for name, value in sorted(code.globals.items()):
+        if name == "torch" or not re.search(rf"\b{re.escape(name)}\b", source):
+            continue
+        if _defined_in(value, user_module):
+            # The model file's functions, as `user_model.f`: a plain `f` could clash with fx's
+            # local variable of the same name.
+            source = re.sub(rf"\b{re.escape(name)}\b", f"user_model.{value.__name__}", source)
+            imports.append("import model as user_model")
+        elif line := _import_line(name, value):
+            imports.append(line)
+    return _tidy(source), imports
+
+
+def _defined_in(value: Any, module_name: str) -> bool:
+    module = inspect.getmodule(value)
+    return module is not None and module.__name__ == module_name
+
+
 def _outermost(paths: list[str]) -> tuple[str, ...]:
     """Paths not inside another path of the list, in order (keeping ``a`` keeps ``a.b``)."""
     unique = list(dict.fromkeys(paths))
@@ -100,13 +167,8 @@ def _tidy(source: str) -> str:
     return "\n".join(lines)
 
 
-def _import_lines(names: dict[str, Any], user_module: str) -> list[str]:
-    """Import statements that bind every global name the generated code uses."""
-    return [line for name, value in sorted(names.items())
-            if (line := _import_line(name, value, user_module))]
-
-
-def _import_line(name: str, value: Any, user_module: str) -> str:
+def _import_line(name: str, value: Any) -> str:
+    """An import statement that binds ``name`` to ``value`` ("" for builtins)."""
     if getattr(builtins, name, None) is value:
         return ""
     if isinstance(value, ModuleType):
@@ -116,8 +178,7 @@ def _import_line(name: str, value: Any, user_module: str) -> str:
     if value is type(None):
         return "NoneType = type(None)"
     module = inspect.getmodule(value)
-    module_name = "model" if module is not None and module.__name__ == user_module else (
-        module.__name__ if module is not None else getattr(value, "__module__", ""))
+    module_name = module.__name__ if module is not None else getattr(value, "__module__", "")
     qualname = getattr(value, "__qualname__", name)
     if not module_name or "." in qualname:
         raise TraceError(f"the traced graph calls {value!r}, which cannot be imported by name "

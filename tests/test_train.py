@@ -107,3 +107,44 @@ def test_bf16_autocast_trains_close_to_fp32(tmp_path: Path) -> None:
     assert mixed != reference  # autocast really ran in bf16
     for a, e in zip(mixed, reference, strict=True):
         assert abs(a - e) <= 0.02 * e
+
+
+def reference_losses(model_file: Path, steps: int, seed: int, batch: int, micro_batch: int,
+                     lr: float = 0.01) -> list[float]:
+    """Hand-written training: gradient accumulation over micro-batches, SGD with momentum."""
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("reference_model", model_file)
+    assert spec is not None and spec.loader is not None
+    user = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(user)
+    torch.manual_seed(seed)
+    model = user.build_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    losses = []
+    for step in range(1, steps + 1):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed * 1_000_003 + step)
+            inputs, targets = user.sample_batch(batch)
+        optimizer.zero_grad()
+        chunks = batch // micro_batch
+        step_loss = 0.0
+        for x, y in zip(inputs.chunk(chunks), targets.chunk(chunks), strict=True):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            (loss / chunks).backward()
+            step_loss += loss.item() / chunks
+        optimizer.step()
+        losses.append(step_loss)
+    return losses
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_no_forward_runs_besides_the_micro_batches(stages: int, tmp_path: Path) -> None:
+    """Buffers see exactly the micro-batches a hand-written loop would run."""
+    plan = compile_to(MODELS / "counter.py", tmp_path / "out", gpus=stages, batch_size=16,
+                      micro_batch=4)
+    losses = run_forked(tmp_path / "out", stages, "--steps", STEPS, "--seed", "3")
+    assert plan.micro_batch == 4
+    assert_same_losses(losses, reference_losses(MODELS / "counter.py", int(STEPS), 3, 16, 4))
