@@ -69,7 +69,8 @@ def _add_compile(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument("--schedule", choices=("auto", *SCHEDULES), default="auto",
                    help="pipeline schedule (auto: the fastest that fits)")
     p.add_argument("--norm", choices=NORM_CHOICES, default="auto",
-                   help="BatchNorm handling (auto: GroupNorm when pipelined)")
+                   help="BatchNorm handling (auto: GroupNorm when pipelined, SyncBatchNorm when "
+                   "only data-parallel, unchanged on one device)")
     p.add_argument("--norm-groups", type=int, default=None,
                    help="GroupNorm groups (default: largest divisor of the channels ≤ 32)")
     p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd", help="(sgd)")

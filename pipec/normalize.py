@@ -2,8 +2,12 @@
 
 Under pipelining each micro-batch runs through a BatchNorm on its own, so its statistics (and the
 model's accuracy) depend on the micro-batch size; GroupNorm normalizes each sample over groups of
-channels and does not (Wu & He, 2018; the study behind pipec). The rewrite itself is applied by
-the emitted ``stages.py`` (``rewrite_norms``), which carries the affine weight and bias over.
+channels and does not (Wu & He, 2018). Under data parallelism, SyncBatchNorm computes the
+statistics over the whole data-parallel batch, as one device would (the study behind pipec).
+
+``--norm auto``: pp > 1 → GroupNorm; pp = 1 and dp > 1 → SyncBatchNorm; one device → unchanged.
+The rewrite itself is applied by the emitted ``stages.py`` (``rewrite_norms``), which carries the
+affine weight and bias over (GroupNorm has no running statistics; SyncBatchNorm keeps them).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from pipec.trace import Traced
 
 log = logging.getLogger(__name__)
 
-NORM_CHOICES = ("auto", "keep", "group")
+NORM_CHOICES = ("auto", "keep", "group", "sync")
 MAX_GROUPS = 32  # Wu & He's default group count
 
 
@@ -27,31 +31,43 @@ class NormRewrite:
     module: str
     from_: str
     to: str
-    groups: int
+    groups: int | None  # GroupNorm's group count; None for SyncBatchNorm
     channels: int
 
 
 @dataclass(frozen=True)
 class NormPlan:
-    choice: str  # what was applied: "keep" or "group"
+    choice: str  # what was applied: "keep", "group" or "sync"
     rewrites: tuple[NormRewrite, ...]
 
 
-def plan_norms(traced: Traced, pp: int, micro_batch: int, choice: str,
+def plan_norms(traced: Traced, pp: int, dp: int, micro_batch: int, choice: str,
                groups: int | None = None) -> NormPlan:
-    """The rewrites for ``--norm choice`` on a plan with ``pp`` stages."""
+    """The rewrites for ``--norm choice`` on a plan of ``pp`` stages × ``dp`` replicas."""
     if choice not in NORM_CHOICES:
         raise ConfigError(f"--norm {choice!r} is not supported; use one of "
                           f"{', '.join(NORM_CHOICES)}")
     batch_norms = [(name, m) for name, m in traced.graph_module.named_modules()
                    if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-    applied = "group" if choice == "group" or (choice == "auto" and pp > 1) else "keep"
-    if applied == "keep" and pp > 1 and batch_norms:
-        log.warning("--norm keep with %d stages: each BatchNorm normalizes over one micro-batch "
-                    "of %d samples at a time", pp, micro_batch)
+    applied = _resolve(choice, pp, dp)
+    if applied in ("keep", "sync") and pp > 1 and batch_norms:
+        log.warning("--norm %s with %d stages: each BatchNorm normalizes over one micro-batch "
+                    "of %d samples at a time%s", choice, pp, micro_batch,
+                    f" (× {dp} replicas)" if applied == "sync" else "")
     if applied == "keep":
         return NormPlan("keep", ())
+    if applied == "sync":
+        return NormPlan("sync", tuple(NormRewrite(name, type(m).__name__, "SyncBatchNorm", None,
+                                                  int(m.num_features)) for name, m in batch_norms))
     return NormPlan("group", tuple(_to_group_norm(name, m, groups) for name, m in batch_norms))
+
+
+def _resolve(choice: str, pp: int, dp: int) -> str:
+    if choice != "auto":
+        return choice
+    if pp > 1:
+        return "group"
+    return "sync" if dp > 1 else "keep"
 
 
 def _to_group_norm(name: str, batch_norm: nn.Module, groups: int | None) -> NormRewrite:

@@ -50,7 +50,8 @@ def baseline_table(plan: Plan) -> str:
 def norm_table(norms: NormPlan) -> str:
     if not norms.rewrites:
         return "No normalization layer rewritten."
-    rows = [(r.module, r.from_, f"{r.to}({r.groups}, {r.channels})") for r in norms.rewrites]
+    rows = [(r.module, r.from_, f"GroupNorm({r.groups}, {r.channels})" if r.groups else
+             f"{r.to}({r.channels}) over the data-parallel group") for r in norms.rewrites]
     return tabulate(rows, ("module", "from", "to"), tablefmt="github")
 
 

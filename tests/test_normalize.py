@@ -78,3 +78,79 @@ def test_rewritten_layer_equals_definition_and_carries_weights(tmp_path: Path) -
     out.backward(grad)
     expected.backward(grad)
     torch.testing.assert_close(x.grad, expected_x.grad)
+
+
+@pytest.mark.parametrize(("gpus", "pp", "norm", "expected"), [
+    (1, None, "auto", "keep"),
+    (2, None, "auto", "group"),
+    (2, 1, "auto", "sync"),
+    (4, 2, "auto", "group"),
+    (4, 2, "sync", "sync"),
+    (2, 1, "group", "group"),
+    (2, None, "keep", "keep"),
+])
+def test_norm_choice_follows_the_parallelism(gpus: int, pp: int | None, norm: str,
+                                             expected: str, tmp_path: Path) -> None:
+    compile_to(SAMPLES / "resnet.py", tmp_path / "o", gpus=gpus, pp=pp, norm=norm, batch_size=16)
+    plan = json.loads((tmp_path / "o" / "plan.json").read_text())
+    assert plan["norm"] == expected
+    to = {"keep": set(), "group": {"GroupNorm"}, "sync": {"SyncBatchNorm"}}[expected]
+    assert {r["to"] for r in plan["norm_rewrites"]} == to
+
+
+def _all_reduce_batch_norm_worker(rank: int, port: int, case: str, results: str) -> None:
+    import sys
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    stages = sys.modules["stages"]
+    x, weight, bias, grad = torch.load(Path(results) / "inputs.pt")
+    half = x.shape[0] // 2
+    layer = stages.AllReduceBatchNorm(x.shape[1], momentum=0.3)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+        layer.bias.copy_(bias)
+    mine = x[rank * half:(rank + 1) * half].clone().requires_grad_()
+    out = layer(mine)
+    out.backward(grad[rank * half:(rank + 1) * half])
+    torch.save({"out": out.detach(), "dx": mine.grad, "dw": layer.weight.grad,
+                "db": layer.bias.grad, "mean": layer.running_mean,
+                "var": layer.running_var}, Path(results) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("shape", [(8, 3), (8, 3, 5), (6, 4, 3, 3), (4, 2, 2, 3, 3)],
+                         ids=["1d-flat", "1d", "2d", "3d"])
+def test_all_reduce_batch_norm_on_2_processes_equals_batch_norm(shape: tuple[int, ...],
+                                                                tmp_path: Path) -> None:
+    import torch.multiprocessing as mp
+
+    from conftest import free_port
+
+    torch.manual_seed(1)
+    x = torch.randn(shape) * 3 + 1
+    weight, bias, grad = torch.rand(shape[1]) + 0.5, torch.randn(shape[1]), torch.randn(shape)
+    torch.save((x, weight, bias, grad), tmp_path / "inputs.pt")
+    compile_to(SAMPLES / "mlp.py", tmp_path / "o")
+    with emitted_modules(tmp_path / "o"):
+        mp.start_processes(_all_reduce_batch_norm_worker,
+                           args=(free_port(), "", str(tmp_path)), nprocs=2, join=True,
+                           start_method="fork")
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    reference = torch.nn.modules.batchnorm._BatchNorm(shape[1], momentum=0.3)
+    reference._check_input_dim = lambda input: None  # type: ignore[method-assign]
+    with torch.no_grad():
+        reference.weight.copy_(weight)
+        reference.bias.copy_(bias)
+    whole = x.clone().requires_grad_()
+    out = reference(whole)
+    out.backward(grad)
+    torch.testing.assert_close(torch.cat([r["out"] for r in ranks]), out.detach())
+    torch.testing.assert_close(torch.cat([r["dx"] for r in ranks]), whole.grad)
+    torch.testing.assert_close(ranks[0]["dw"] + ranks[1]["dw"], reference.weight.grad)
+    torch.testing.assert_close(ranks[0]["db"] + ranks[1]["db"], reference.bias.grad)
+    for r in ranks:
+        torch.testing.assert_close(r["mean"], reference.running_mean)
+        torch.testing.assert_close(r["var"], reference.running_var)

@@ -148,3 +148,14 @@ def test_no_forward_runs_besides_the_micro_batches(stages: int, tmp_path: Path) 
     losses = run_forked(tmp_path / "out", stages, "--steps", STEPS, "--seed", "3")
     assert plan.micro_batch == 4
     assert_same_losses(losses, reference_losses(MODELS / "counter.py", int(STEPS), 3, 16, 4))
+
+
+@pytest.mark.parametrize(("gpus", "pp"), [(2, 1), (4, 2)], ids=["dp2", "pp2xdp2"])
+def test_sync_batch_norm_trains_like_one_process_on_the_whole_batch(gpus: int, pp: int,
+                                                                    tmp_path: Path) -> None:
+    """One micro-batch per replica: synced statistics cover the global batch, as on 1 process."""
+    reference = train(SAMPLES / "resnet.py", tmp_path, "one", 1, norm="keep", micro_batch=16)
+    synced = train(SAMPLES / "resnet.py", tmp_path, "sync", gpus, pp=pp, norm="sync",
+                   micro_batch=16 // (gpus // pp), schedule="gpipe")
+    assert "SyncBatchNorm" in (tmp_path / "sync" / "plan.json").read_text()
+    assert_same_losses(synced, reference)
