@@ -1,8 +1,10 @@
 """Annotate pass: per-node shapes, FLOPs and bytes, measured on meta tensors (nothing allocated).
 
 Every cost is linear in the micro-batch size m, ``cost(m) = fixed + per_sample · m``: the pass runs
-the graph twice, at batch 1 and batch 2, and takes the two coefficients from the difference. This
-keeps batch-independent values (position ids, masks) from being scaled with the batch.
+the graph twice, at batches 2 and 4, and takes the two coefficients from the difference. This
+keeps batch-independent values (position ids, masks) from being scaled with the batch. Batch 1 is
+avoided: with a dimension of size 1 some ops skip a copy (a reshape of a transposed view is then
+free), so batch 1 does not lie on the line.
 """
 
 from __future__ import annotations
@@ -13,17 +15,14 @@ from typing import Any
 
 import torch
 from torch import fx, nn
+from torch.nn import functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from pipec.errors import TraceError
 from pipec.trace import Traced
 
 COMPUTE_OPS = ("call_module", "call_function", "call_method")
-
-# Backward FLOPs of a node: twice its forward (a grad for the input and one for the weights).
-# The cost-model issue replaces this with a counted backward pass.
-BACKWARD_FLOPS_RATIO = 2.0
-
+MEASURED_BATCHES = (2, 4)
 
 @dataclass(frozen=True)
 class Linear:
@@ -47,8 +46,9 @@ class NodeCost:
     shape: tuple[int, ...]  # output shape at batch 1 (empty when the output is not a tensor)
     is_tensor: bool
     fwd_flops: Linear
-    bwd_flops: Linear
-    output_bytes: Linear
+    bwd_flops: Linear  # counted on the node's real backward (input and weight gradients)
+    output_bytes: Linear  # what the node returns (sent when a boundary follows it)
+    saved_bytes: Linear  # what autograd keeps for backward, allocated by this node
     params: int  # parameters this node is the first user of
     param_bytes: int
     buffer_bytes: int
@@ -59,15 +59,16 @@ class ValueSpec:
     """A tensor that may cross a stage boundary: what the receiving stage must allocate."""
 
     name: str
-    shape_one: tuple[int, ...]  # at batch 1
-    shape_two: tuple[int, ...]  # at batch 2
+    shape_low: tuple[int, ...]  # at the first of MEASURED_BATCHES
+    shape_high: tuple[int, ...]  # at the second
     dtype: str  # torch dtype name, e.g. "float32"
     requires_grad: bool
 
     def shape_at(self, micro_batch: int) -> tuple[int, ...]:
         """Shapes are linear in the batch: the batch dimension grows, the others do not."""
-        return tuple(a + (b - a) * (micro_batch - 1)
-                     for a, b in zip(self.shape_one, self.shape_two, strict=True))
+        low, high = MEASURED_BATCHES
+        return tuple(a + (b - a) * (micro_batch - low) // (high - low)
+                     for a, b in zip(self.shape_low, self.shape_high, strict=True))
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,7 @@ class CostGraph:
 
 
 def annotate(traced: Traced, inputs_at: Sequence[tuple[torch.Tensor, ...]]) -> CostGraph:
-    """Measure ``traced`` at batch sizes 1 and 2 (``inputs_at[0]``, ``inputs_at[1]``)."""
+    """Measure ``traced`` on ``inputs_at``: its inputs at each of MEASURED_BATCHES."""
     gm = traced.graph_module
     one, two = (_measure(gm, tuple(t.to("meta") for t in inputs)) for inputs in inputs_at)
     compute = [n for n in gm.graph.nodes if n.op in COMPUTE_OPS]
@@ -118,26 +119,155 @@ def _value_spec(name: str, one: torch.Tensor, two: torch.Tensor) -> ValueSpec:
 @dataclass(frozen=True)
 class _Measured:
     value: Any
-    flops: int
+    fwd_flops: int
+    bwd_flops: int
+    saved_bytes: int  # bytes autograd saves for backward that this node allocated
 
 
 class _MeasuringInterpreter(fx.Interpreter):
-    """Runs the graph on meta tensors, counting each node's FLOPs (cf. fx's ShapeProp)."""
+    """Runs the graph on meta tensors, each compute node in isolation (cf. fx's ShapeProp).
+
+    A node runs on detached copies of its inputs under ``FlopCounterMode`` and
+    ``saved_tensors_hooks``, then its backward runs for real: forward and backward FLOPs and the
+    tensors autograd saves are measured, not assumed. Storages are tracked by identity, so a
+    tensor saved by several nodes, or aliased by views and in-place ops, counts once, with the
+    node that allocated it; parameters and buffers are static memory and are not counted.
+    """
 
     def __init__(self, gm: fx.GraphModule) -> None:
         super().__init__(gm)
         self.measured: dict[str, _Measured] = {}
+        self.static = {_storage_id(t) for t in (*gm.parameters(), *gm.buffers())}
+        self.alias: dict[int, int] = {}  # an input copy's storage -> the storage it stands for
+        self.owner: dict[int, tuple[str, int]] = {}  # storage -> (allocating node, bytes)
+        self.saved: set[int] = set()
+        # Storages are keyed by address: keep every tensor seen alive for the whole run, or a
+        # freed storage's address could be reused by another.
+        self.keep_alive: list[torch.Tensor] = []
 
     def run_node(self, n: fx.Node) -> Any:
-        counter = FlopCounterMode(display=False)
+        if n.op not in COMPUTE_OPS:
+            value = super().run_node(n)
+            self.measured[n.name] = _Measured(value, 0, 0, 0)
+            return value
         try:
-            with counter:
-                value = super().run_node(n)
+            return self._measure_node(n)
         except Exception as exc:
             raise TraceError(f"running {n.format_node()} on meta tensors failed: "
                              f"{type(exc).__name__}: {exc}") from None
-        self.measured[n.name] = _Measured(value, counter.get_total_flops())
+
+    def _measure_node(self, n: fx.Node) -> Any:
+        leaves: list[torch.Tensor] = []
+        args, kwargs = fx.node.map_aggregate(self.fetch_args_kwargs_from_env(n),
+                                             lambda v: self._isolate(v, leaves))
+        saved: list[torch.Tensor] = []
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            saved.append(tensor)
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                FlopCounterMode(display=False) as forward:
+            value = getattr(self, n.op)(n.target, args, kwargs)
+        if n.target is F.scaled_dot_product_attention:
+            saved = self._fused_attention_saved(args, kwargs, value, saved)
+        backward = self._backward_flops(n, value, leaves)
+        self.keep_alive += [*leaves, *_tensors(args), *_tensors(value), *saved]
+        self._own(n.name, [*_tensors(value), *saved])
+        self.saved.update(s for s in map(self._canonical, map(_storage_id, saved))
+                          if s not in self.static)
+        self.measured[n.name] = _Measured(value, forward.get_total_flops(), backward, 0)
         return value
+
+    def _isolate(self, value: Any, leaves: list[torch.Tensor]) -> Any:
+        """A fresh autograd leaf for an input that needs a gradient, else a detached alias."""
+        if not isinstance(value, torch.Tensor):
+            return value
+        if not value.requires_grad:
+            return value.detach()
+        leaf = value.detach().requires_grad_()
+        leaves.append(leaf)
+        # A non-leaf copy, so that in-place ops (ReLU(inplace=True)) are allowed; its storage
+        # stands for the input's.
+        copy = leaf.clone()
+        self.alias[_storage_id(copy)] = self._canonical(_storage_id(value))
+        return copy
+
+    def _fused_attention_saved(self, args: Any, kwargs: Any, value: torch.Tensor,
+                               math_saved: list[torch.Tensor]) -> list[torch.Tensor]:
+        """What a fused attention kernel saves for backward: q, k, v, the output and the
+        log-sum-exp, as CPU's and CUDA's flash / memory-efficient kernels do in training, not
+        the T × T attention matrix of the math fallback that runs on meta tensors.
+        """
+        saved: list[torch.Tensor] = []
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            saved.append(tensor)
+            return tensor
+
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                fused_output = _fused_attention(*args, **kwargs)
+        except (RuntimeError, TypeError, NotImplementedError):
+            return math_saved  # a variant the fused kernel does not take: count the math path
+        self.alias[_storage_id(fused_output)] = _storage_id(value)
+        return saved
+
+    def _backward_flops(self, n: fx.Node, value: Any, leaves: list[torch.Tensor]) -> int:
+        params = (list(self.module.get_submodule(str(n.target)).parameters())
+                  if n.op == "call_module" else [])
+        wrt = leaves + [p for p in params if p.requires_grad]
+        outputs = [t for t in _tensors(value) if t.requires_grad]
+        if not (outputs and wrt):
+            return 0
+        with FlopCounterMode(display=False) as counter:
+            torch.autograd.grad(outputs, wrt, [torch.ones_like(t) for t in outputs],
+                                allow_unused=True)
+        return int(counter.get_total_flops())
+
+    def _canonical(self, storage: int) -> int:
+        while storage in self.alias:
+            storage = self.alias[storage]
+        return storage
+
+    def _own(self, name: str, tensors: list[torch.Tensor]) -> None:
+        """Record ``name`` as the allocator of the storages it is the first to produce."""
+        for tensor in tensors:
+            storage = self._canonical(_storage_id(tensor))
+            if storage not in self.static and storage not in self.owner:
+                self.owner[storage] = (name, int(tensor.untyped_storage().nbytes()))
+
+    def saved_bytes(self) -> dict[str, int]:
+        """Bytes saved for backward, by the node that allocated them."""
+        totals: dict[str, int] = {}
+        for storage in self.saved:
+            name, size = self.owner[storage]
+            totals[name] = totals.get(name, 0) + size
+        return totals
+
+
+def _fused_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+                     is_causal: bool = False, scale: float | None = None,
+                     enable_gqa: bool = False) -> torch.Tensor:
+    """F.scaled_dot_product_attention's arguments, run by the fused (flash) CPU kernel."""
+    if enable_gqa:
+        raise NotImplementedError("grouped-query attention")
+    output, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+    return output  # type: ignore[no-any-return]
+
+
+def _storage_id(tensor: torch.Tensor) -> int:
+    return int(tensor.untyped_storage()._cdata)
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, tuple | list):
+        return [t for v in value for t in _tensors(v)]
+    return []
 
 
 def _measure(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...]) -> dict[str, _Measured]:
@@ -145,7 +275,9 @@ def _measure(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...]) -> dict[str, 
     interpreter = _MeasuringInterpreter(gm)
     with torch.enable_grad():
         interpreter.run(*inputs)
-    return interpreter.measured
+    saved = interpreter.saved_bytes()
+    return {name: _Measured(m.value, m.fwd_flops, m.bwd_flops, saved.get(name, 0))
+            for name, m in interpreter.measured.items()}
 
 
 def _nbytes(value: Any) -> int:
@@ -156,9 +288,11 @@ def _nbytes(value: Any) -> int:
     return 0
 
 
-def _linear(at_one: float, at_two: float) -> Linear:
-    """The line through (1, at_one) and (2, at_two)."""
-    return Linear(fixed=2 * at_one - at_two, per_sample=at_two - at_one)
+def _linear(at_low: float, at_high: float) -> Linear:
+    """The line through the values measured at the two MEASURED_BATCHES."""
+    low, high = MEASURED_BATCHES
+    per_sample = (at_high - at_low) / (high - low)
+    return Linear(fixed=at_low - per_sample * low, per_sample=per_sample)
 
 
 def _sum_linear(items: Iterator[Linear] | Sequence[Linear]) -> Linear:
@@ -178,18 +312,22 @@ def _owner(n: fx.Node) -> str:
 
 def _node_cost(n: fx.Node, one: _Measured, two: _Measured,
                params: Sequence[torch.Tensor], buffer_bytes: int) -> NodeCost:
-    fwd = _linear(one.flops, two.flops)
     is_tensor = isinstance(one.value, torch.Tensor)
     return NodeCost(
         name=n.name, op=n.op, target=_target_name(n), module=_owner(n),
-        shape=tuple(one.value.shape) if is_tensor else (), is_tensor=is_tensor,
-        fwd_flops=fwd,
-        bwd_flops=Linear(fwd.fixed * BACKWARD_FLOPS_RATIO, fwd.per_sample * BACKWARD_FLOPS_RATIO),
+        shape=_shape_at_one(one.value, two.value) if is_tensor else (), is_tensor=is_tensor,
+        fwd_flops=_linear(one.fwd_flops, two.fwd_flops),
+        bwd_flops=_linear(one.bwd_flops, two.bwd_flops),
         output_bytes=_linear(_nbytes(one.value), _nbytes(two.value)),
+        saved_bytes=_linear(one.saved_bytes, two.saved_bytes),
         params=sum(p.numel() for p in params),
         param_bytes=sum(_nbytes(p) for p in params),
         buffer_bytes=buffer_bytes,
     )
+
+
+def _shape_at_one(low: torch.Tensor, high: torch.Tensor) -> tuple[int, ...]:
+    return ValueSpec("", tuple(low.shape), tuple(high.shape), "", False).shape_at(1)
 
 
 def _target_name(n: fx.Node) -> str:

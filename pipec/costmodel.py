@@ -50,6 +50,7 @@ def node_arrays(graph: CostGraph, device: Device, micro_batch: int,
     fwd_flops = np.array([n.fwd_flops.at(micro_batch) for n in graph.nodes])
     bwd_flops = np.array([n.bwd_flops.at(micro_batch) for n in graph.nodes])
     out_bytes = np.array([n.output_bytes.at(micro_batch) for n in graph.nodes]) * ratio
+    saved_bytes = np.array([n.saved_bytes.at(micro_batch) for n in graph.nodes]) * ratio
     param_bytes = np.array([n.param_bytes for n in graph.nodes], dtype=float)
     moved = out_bytes + param_bytes
     overhead = device.kernel_overhead_s
@@ -59,7 +60,7 @@ def node_arrays(graph: CostGraph, device: Device, micro_batch: int,
     static = param_bytes * states + np.array([n.buffer_bytes for n in graph.nodes], dtype=float)
     cut_bytes = np.array([c.at(micro_batch) for c in graph.cut_bytes]) * ratio
     cut_bytes[0] = cut_bytes[-1] = 0.0  # the graph's ends send nothing
-    return NodeArrays(fwd, bwd, static, out_bytes, cut_bytes)
+    return NodeArrays(fwd, bwd, static, saved_bytes, cut_bytes)
 
 
 def boundary_s(cut_bytes: np.ndarray, device: Device, inter_node: bool) -> np.ndarray:

@@ -6,7 +6,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipec.annotate import annotate
+from pipec.annotate import MEASURED_BATCHES, annotate
 from pipec.costmodel import Training
 from pipec.emit import Emitted, emit
 from pipec.errors import ConfigError
@@ -42,7 +42,7 @@ def compile_model(options: CompileOptions) -> tuple[Plan, Emitted]:
     request = _request(options)
     spec = load_model_file(options.model)
     traced = trace_model(spec)
-    graph = annotate(traced, [batch_inputs(spec, size)[0] for size in (1, 2)])
+    graph = annotate(traced, [batch_inputs(spec, size)[0] for size in MEASURED_BATCHES])
     chosen = plan(graph, request)
     norms = plan_norms(traced, chosen.pp, chosen.dp, chosen.micro_batch, options.norm,
                        options.norm_groups)

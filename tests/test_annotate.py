@@ -5,9 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import MODELS, SAMPLES
-from pipec.annotate import CostGraph, annotate
+from pipec.annotate import MEASURED_BATCHES, CostGraph, annotate
 from pipec.loader import load_model_file
 from pipec.trace import Traced, batch_inputs, trace_model
 
@@ -15,7 +16,7 @@ from pipec.trace import Traced, batch_inputs, trace_model
 def analyse(path: Path) -> tuple[Traced, CostGraph]:
     spec = load_model_file(path)
     traced = trace_model(spec)
-    return traced, annotate(traced, [batch_inputs(spec, size)[0] for size in (1, 2)])
+    return traced, annotate(traced, [batch_inputs(spec, size)[0] for size in MEASURED_BATCHES])
 
 
 def test_nothing_is_allocated() -> None:
@@ -67,3 +68,62 @@ def test_a_shared_module_cannot_be_cut() -> None:
     assert len(uses) == 2
     assert not any(graph.legal_cuts[uses[0] + 1:uses[1] + 1])
     assert graph.nodes[uses[0]].params == 8 * 8 + 8 and graph.nodes[uses[1]].params == 0
+
+
+def real_saved_bytes(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...]
+                     ) -> tuple[int, torch.Tensor]:
+    """Bytes autograd really saves on CPU (each storage once, parameters excluded)."""
+    static = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    seen: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in static:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        output = model(*inputs)
+    return sum(seen.values()), output
+
+
+@pytest.mark.parametrize("path", [SAMPLES / "mlp.py", SAMPLES / "resnet.py", SAMPLES / "gpt.py",
+                                  MODELS / "skip_two_inputs.py", MODELS / "transposed.py"],
+                         ids=lambda p: p.stem)
+def test_per_node_totals_equal_the_whole_model(path: Path) -> None:
+    """FLOPs forward and backward equal FlopCounterMode on the whole model (on meta, where
+    attention has a FLOP formula); saved bytes are within 10 % of what autograd saves on CPU."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    spec = load_model_file(path)
+    traced, graph = analyse(path)
+    batch = 6
+    meta_inputs = tuple(t.to("meta") for t in batch_inputs(spec, batch)[0])
+    with FlopCounterMode(display=False) as forward:
+        output = traced.graph_module(*meta_inputs)
+    parameters = [p for p in traced.graph_module.parameters() if p.requires_grad]
+    with FlopCounterMode(display=False) as backward:
+        torch.autograd.grad(output, parameters, torch.ones_like(output))
+    assert sum(n.fwd_flops.at(batch) for n in graph.nodes) == forward.get_total_flops()
+    assert sum(n.bwd_flops.at(batch) for n in graph.nodes) == backward.get_total_flops()
+    torch.manual_seed(0)
+    real, _ = real_saved_bytes(spec.build_model(), batch_inputs(spec, batch)[0])
+    predicted = sum(n.saved_bytes.at(batch) for n in graph.nodes)
+    assert abs(predicted - real) <= 0.10 * real, (predicted, real)
+
+
+def test_backward_is_counted_not_assumed() -> None:
+    _, graph = analyse(SAMPLES / "mlp.py")
+    first, hidden = graph.nodes[0], graph.nodes[2]  # Linear(64, 256), Linear(256, 256)
+    # The first layer's input is data: only the weight gradient, 2·64·256 per sample.
+    assert first.bwd_flops.per_sample == 2 * 64 * 256
+    # A hidden layer computes the input gradient too: 2 × 2·256·256.
+    assert hidden.bwd_flops.per_sample == 2 * 2 * 256 * 256
+
+
+def test_a_saved_tensor_counts_once_at_the_node_that_made_it() -> None:
+    _, graph = analyse(SAMPLES / "mlp.py")
+    saved = [n.saved_bytes.per_sample for n in graph.nodes]
+    # The input (64 floats) at the first Linear; each ReLU output (256 floats) once, at the
+    # ReLU, although the next Linear saves it too; nothing else.
+    assert saved == [64 * 4] + [256 * 4, 0] * 5
