@@ -6,15 +6,18 @@ Exit status: 0 success, 2 a user error (one line on stderr, no traceback), 1 a p
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from pipec import __version__
+from pipec.costmodel import Training
 from pipec.driver import CompileOptions, compile_model
 from pipec.errors import PipecError
 from pipec.hardware import DEFAULT, PRESETS
+from pipec.inspection import inspect_model, render_json, render_table
 from pipec.normalize import NORM_CHOICES
 from pipec.schedule import SCHEDULES
 
@@ -38,6 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"pipec {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_compile(commands)
+    _add_inspect(commands)
     return parser
 
 
@@ -79,6 +83,31 @@ def _add_compile(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
                    help="replace an output directory that is not a previous pipec output")
     p.add_argument("-v", "--verbose", action="store_true", help="log each pass")
     p.set_defaults(run=_run_compile)
+
+
+def _add_inspect(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = commands.add_parser("inspect", help="per-node or per-module costs of a model",
+                            description="Trace MODEL on the meta device and print what each node "
+                            "(or each module at --depth) costs at --batch-size.")
+    p.add_argument("model", type=Path, help="model file defining build_model() and sample_batch()")
+    p.add_argument("--batch-size", type=int, default=1, help="samples (1)")
+    p.add_argument("--depth", type=int, default=None,
+                   help="group by module at this depth (default: one row per graph node)")
+    p.add_argument("--hardware", default=DEFAULT, help=f"device for the time estimate ({DEFAULT})")
+    p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd", help="(sgd)")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="(fp32)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(run=_run_inspect)
+
+
+def _run_inspect(args: argparse.Namespace) -> int:
+    rows, total = inspect_model(args.model, args.batch_size, args.depth, args.hardware,
+                                Training(args.optimizer, args.precision))
+    if args.json:
+        print(json.dumps(render_json(rows, total), indent=2))
+    else:
+        print(render_table(rows, total))
+    return 0
 
 
 def _run_compile(args: argparse.Namespace) -> int:

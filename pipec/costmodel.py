@@ -15,8 +15,13 @@ import numpy as np
 from pipec.annotate import CostGraph
 from pipec.hardware import Device
 
-# Optimizer state per parameter byte: SGD keeps a momentum buffer, AdamW two moments.
-OPTIMIZER_STATE_RATIO = {"sgd": 1, "adamw": 2}
+# Per fp32 parameter byte, what training keeps besides the weight itself: its gradient, the
+# optimizer state (SGD's momentum buffer; AdamW's two moments) and, under bf16 autocast, the
+# cached bf16 copy of each weight a matmul or convolution uses (half the bytes). Master weights,
+# gradients and optimizer state stay fp32 under autocast.
+GRADIENT_RATIO = 1.0
+OPTIMIZER_STATE_RATIO = {"sgd": 1.0, "adamw": 2.0}
+AUTOCAST_COPY_RATIO = {"fp32": 0.0, "bf16": 0.5}
 # Activations are saved at this fraction of their fp32 size (bf16 autocast halves them).
 ACTIVATION_RATIO = {"fp32": 1.0, "bf16": 0.5}
 # Kept free on every device for the allocator, workspaces and communication buffers.
@@ -56,8 +61,8 @@ def node_arrays(graph: CostGraph, device: Device, micro_batch: int,
     overhead = device.kernel_overhead_s
     fwd = np.maximum(fwd_flops / flops_rate, moved / device.memory_bandwidth) + overhead
     bwd = np.maximum(bwd_flops / flops_rate, 2 * moved / device.memory_bandwidth) + overhead
-    states = 2 + OPTIMIZER_STATE_RATIO[training.optimizer]
-    static = param_bytes * states + np.array([n.buffer_bytes for n in graph.nodes], dtype=float)
+    static = (param_bytes * static_ratio(training)
+              + np.array([n.buffer_bytes for n in graph.nodes], dtype=float))
     cut_bytes = np.array([c.at(micro_batch) for c in graph.cut_bytes]) * ratio
     cut_bytes[0] = cut_bytes[-1] = 0.0  # the graph's ends send nothing
     return NodeArrays(fwd, bwd, static, saved_bytes, cut_bytes)
@@ -74,6 +79,12 @@ def crosses_nodes(stage: int, num_stages: int, replicas: int, devices_per_node: 
     """Whether stage → stage + 1 crosses a node in some replica (rank = replica · pp + stage)."""
     return any((r * num_stages + stage) // devices_per_node
                != (r * num_stages + stage + 1) // devices_per_node for r in range(replicas))
+
+
+def static_ratio(training: Training) -> float:
+    """Bytes kept per fp32 parameter byte: weight, gradient, optimizer state, autocast copy."""
+    return (1.0 + GRADIENT_RATIO + OPTIMIZER_STATE_RATIO[training.optimizer]
+            + AUTOCAST_COPY_RATIO[training.precision])
 
 
 def usable_memory(device: Device) -> float:

@@ -50,6 +50,9 @@ PRESETS: dict[str, Device] = {
     "a100-80g": _gpu("a100-80g", 19.5, 312.0, 2039, 80, 300),
     "h100-80g": _gpu("h100-80g", 67.0, 989.0, 3350, 80, 450),
     "h200": _gpu("h200", 67.0, 989.0, 4800, 141, 450),
+    # PCIe cards: no NVLink, stages talk over PCIe 4.0 x16 (32 GB/s one direction).
+    "l4": _gpu("l4", 30.3, 121.0, 300, 24, 32),
+    "rtx4090": _gpu("rtx4090", 82.6, 165.2, 1008, 24, 32),
     # One CPU process of this 2-core development machine, talking gloo over loopback.
     "cpu": Device("cpu", 0.05 * TFLOPS, 0.02 * TFLOPS, 10 * GB, 8 * GIB, 2 * GB, 1 * GB,
                   50e-6, 100e-6, kernel_overhead_s=20e-6, efficiency=1.0),

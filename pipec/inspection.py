@@ -1,0 +1,105 @@
+"""`pipec inspect`: what every node (or module) of a model costs, as a table or JSON."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from tabulate import tabulate
+
+from pipec.annotate import MEASURED_BATCHES, CostGraph, NodeCost, annotate
+from pipec.costmodel import Training, node_arrays
+from pipec.errors import ConfigError
+from pipec.hardware import load_hardware
+from pipec.loader import load_model_file
+from pipec.trace import batch_inputs, trace_model
+
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class Row:
+    """One node, or the nodes of one module, at the batch size inspected."""
+
+    name: str
+    shape: tuple[int, ...]  # the output shape (of the module's last node)
+    params: int
+    fwd_flops: float
+    bwd_flops: float
+    activation_bytes: float  # saved for backward
+    time_s: float  # forward + backward on the chosen hardware
+
+
+def inspect_model(model: Path, batch_size: int, depth: int | None, hardware: str,
+                  training: Training) -> tuple[list[Row], Row]:
+    """Rows per node (``depth`` None) or per module at ``depth``, and the totals."""
+    if batch_size < 1:
+        raise ConfigError(f"--batch-size {batch_size}: must be a positive integer")
+    if depth is not None and depth < 0:
+        raise ConfigError(f"--depth {depth}: must be 0 or more")
+    spec = load_model_file(model)
+    traced = trace_model(spec)
+    graph = annotate(traced, [batch_inputs(spec, size)[0] for size in MEASURED_BATCHES])
+    times = _node_times(graph, hardware, batch_size, training)
+    shapes = {v.name: v.shape_at(batch_size) for v in graph.values}
+    rows = [_row(n.name, [n], [t], batch_size, shapes)
+            for n, t in zip(graph.nodes, times, strict=True)]
+    if depth is not None:
+        rows = _by_module(graph, times, depth, batch_size, shapes)
+    return rows, _total(rows)
+
+
+def _node_times(graph: CostGraph, hardware: str, batch_size: int,
+                training: Training) -> list[float]:
+    arrays = node_arrays(graph, load_hardware(hardware), batch_size, training)
+    return [float(t) for t in arrays.fwd_s + arrays.bwd_s]
+
+
+def _row(name: str, nodes: list[NodeCost], times: list[float], batch_size: int,
+         shapes: dict[str, tuple[int, ...]]) -> Row:
+    shaped = [n for n in nodes if n.name in shapes]
+    return Row(name=name, shape=shapes[shaped[-1].name] if shaped else (),
+               params=sum(n.params for n in nodes),
+               fwd_flops=sum(n.fwd_flops.at(batch_size) for n in nodes),
+               bwd_flops=sum(n.bwd_flops.at(batch_size) for n in nodes),
+               activation_bytes=sum(n.saved_bytes.at(batch_size) for n in nodes),
+               time_s=sum(times))
+
+
+def _by_module(graph: CostGraph, times: list[float], depth: int, batch_size: int,
+               shapes: dict[str, tuple[int, ...]]) -> list[Row]:
+    """Consecutive nodes grouped by their module's first ``depth`` levels (0: the whole model)."""
+    groups: list[tuple[str, list[NodeCost], list[float]]] = []
+    for node, time in zip(graph.nodes, times, strict=True):
+        name = ".".join(node.module.split(".")[:depth]) or "(model)"
+        if not groups or groups[-1][0] != name:
+            groups.append((name, [], []))
+        groups[-1][1].append(node)
+        groups[-1][2].append(time)
+    return [_row(name, nodes, node_times, batch_size, shapes)
+            for name, nodes, node_times in groups]
+
+
+def _total(rows: list[Row]) -> Row:
+    return Row("total", (), sum(r.params for r in rows), sum(r.fwd_flops for r in rows),
+               sum(r.bwd_flops for r in rows), sum(r.activation_bytes for r in rows),
+               sum(r.time_s for r in rows))
+
+
+def render_table(rows: list[Row], total: Row) -> str:
+    def cells(r: Row) -> tuple[Any, ...]:
+        return (r.name, "×".join(map(str, r.shape)), f"{r.params:,}", f"{r.fwd_flops / 1e9:.4f}",
+                f"{r.bwd_flops / 1e9:.4f}", f"{r.activation_bytes / MIB:.3f}",
+                f"{r.time_s * 1e3:.3f}")
+
+    headers = ("node / module", "output shape", "params", "fwd GFLOP", "bwd GFLOP",
+               "saved MiB", "est. ms")
+    return tabulate([*map(cells, rows), cells(total)], headers, tablefmt="github")
+
+
+def render_json(rows: list[Row], total: Row) -> dict[str, Any]:
+    return {"nodes": [{**asdict(r), "shape": list(r.shape)} for r in rows],
+            "total": {"params": total.params, "fwd_flops": total.fwd_flops,
+                      "bwd_flops": total.bwd_flops, "activation_bytes": total.activation_bytes,
+                      "time_s": total.time_s}}
