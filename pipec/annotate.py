@@ -9,7 +9,7 @@ free), so batch 1 does not lie on the line.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +22,8 @@ from pipec.errors import TraceError
 from pipec.trace import Traced
 
 COMPUTE_OPS = ("call_module", "call_function", "call_method")
+# A storage a node saves for backward: ("input", k), ("output", j) or ("internal", bytes).
+Saved = tuple[str, int]
 MEASURED_BATCHES = (2, 4)
 
 @dataclass(frozen=True)
@@ -144,6 +146,8 @@ class _MeasuringInterpreter(fx.Interpreter):
         # Storages are keyed by address: keep every tensor seen alive for the whole run, or a
         # freed storage's address could be reused by another.
         self.keep_alive: list[torch.Tensor] = []
+        self.memo: dict[Hashable, _Memo] = {}
+        self.internal: dict[str, int] = {}  # bytes saved that no other node can see
 
     def run_node(self, n: fx.Node) -> Any:
         if n.op not in COMPUTE_OPS:
@@ -157,9 +161,30 @@ class _MeasuringInterpreter(fx.Interpreter):
                              f"{type(exc).__name__}: {exc}") from None
 
     def _measure_node(self, n: fx.Node) -> Any:
+        """Measure a node, or reuse the measurement of an identical one (a repeated layer)."""
         leaves: list[torch.Tensor] = []
         args, kwargs = fx.node.map_aggregate(self.fetch_args_kwargs_from_env(n),
                                              lambda v: self._isolate(v, leaves))
+        key = self._signature(n, args, kwargs)
+        inputs = _tensors((args, kwargs))
+        if key in self.memo and _rebuildable(self.memo[key].output):
+            value = _rebuild(self.memo[key].output, inputs)
+        elif key in self.memo:
+            value = getattr(self, n.op)(n.target, args, kwargs)
+        else:
+            value, forward, backward, saved = self._instrumented(n, args, kwargs, leaves)
+            self.memo[key] = _Memo(forward, backward, self._recipe(inputs, value, saved),
+                                   self._template(value, inputs))
+        forward, backward, recipe = (self.memo[key].fwd_flops, self.memo[key].bwd_flops,
+                                     self.memo[key].saved)
+        self.keep_alive += [*leaves, *inputs, *_tensors(value)]
+        self._record(n.name, inputs, _tensors(value), recipe)
+        self.measured[n.name] = _Measured(value, forward, backward, 0)
+        return value
+
+    def _instrumented(self, n: fx.Node, args: Any, kwargs: Any, leaves: list[torch.Tensor]
+                      ) -> tuple[Any, int, int, list[torch.Tensor]]:
+        """Run the node counting FLOPs forward and backward and catching what it saves."""
         saved: list[torch.Tensor] = []
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
@@ -171,13 +196,77 @@ class _MeasuringInterpreter(fx.Interpreter):
             value = getattr(self, n.op)(n.target, args, kwargs)
         if n.target is F.scaled_dot_product_attention:
             saved = self._fused_attention_saved(args, kwargs, value, saved)
-        backward = self._backward_flops(n, value, leaves)
-        self.keep_alive += [*leaves, *_tensors(args), *_tensors(value), *saved]
-        self._own(n.name, [*_tensors(value), *saved])
-        self.saved.update(s for s in map(self._canonical, map(_storage_id, saved))
-                          if s not in self.static)
-        self.measured[n.name] = _Measured(value, forward.get_total_flops(), backward, 0)
+        self.keep_alive += saved
+        return value, forward.get_total_flops(), self._backward_flops(n, value, leaves), saved
+
+    def _signature(self, n: fx.Node, args: Any, kwargs: Any) -> Hashable:
+        """What a node's costs depend on: its operation (a module's type and configuration) and
+        its inputs' shapes, strides, dtypes, requires_grad and which of them share storage."""
+        storages: dict[int, int] = {}
+
+        def describe(value: Any) -> Hashable:
+            if isinstance(value, torch.Tensor):
+                storage = storages.setdefault(self._canonical(_storage_id(value)), len(storages))
+                return (tuple(value.shape), value.stride(), value.storage_offset(), value.dtype,
+                        value.requires_grad, storage)
+            if isinstance(value, tuple | list):
+                return (type(value).__name__, *map(describe, value))
+            if isinstance(value, dict):
+                return tuple((k, describe(v)) for k, v in value.items())
+            return repr(value)
+
+        operation: Hashable = n.target
+        if n.op == "call_module":
+            module = self.module.get_submodule(str(n.target))
+            operation = (type(module), module.extra_repr(), module.training,
+                         tuple((p.shape, p.requires_grad) for p in module.parameters()))
+        return n.op, operation, describe(args), describe(kwargs)
+
+    def _template(self, value: Any, inputs: list[torch.Tensor]) -> Any:
+        """How to make the node's output again without running it: new storages and views of
+        its inputs, with their layouts; values with no tensor in them as they are."""
+        if isinstance(value, torch.Tensor):
+            input_ids = [self._canonical(_storage_id(t)) for t in inputs]
+            storage = self._canonical(_storage_id(value))
+            source = input_ids.index(storage) if storage in input_ids else None
+            return _TensorTemplate(tuple(value.shape), value.stride(), value.storage_offset(),
+                                   value.dtype, value.requires_grad, source)
+        if type(value) in (tuple, list) and _tensors(value):
+            return type(value)(self._template(v, inputs) for v in value)
+        if _tensors(value):
+            return _RUN  # another container of tensors (a torch.return_types): run the node
         return value
+
+    def _recipe(self, inputs: list[torch.Tensor], value: Any,
+                saved: list[torch.Tensor]) -> tuple[Saved, ...]:
+        """What the node saved, relative to its own inputs and outputs, so that an identical
+        node elsewhere in the graph can be credited the same way."""
+        input_ids = [self._canonical(_storage_id(t)) for t in inputs]
+        output_ids = [self._canonical(_storage_id(t)) for t in _tensors(value)]
+        recipe: dict[int, Saved] = {}
+        for tensor in saved:
+            storage = self._canonical(_storage_id(tensor))
+            if storage in self.static or storage in recipe:
+                continue
+            if storage in input_ids:
+                recipe[storage] = ("input", input_ids.index(storage))
+            elif storage in output_ids:
+                recipe[storage] = ("output", output_ids.index(storage))
+            else:
+                recipe[storage] = ("internal", int(tensor.untyped_storage().nbytes()))
+        return tuple(recipe.values())
+
+    def _record(self, name: str, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
+                recipe: tuple[Saved, ...]) -> None:
+        """Credit the saved storages: inputs to whoever allocated them, outputs to this node."""
+        self._own(name, outputs)
+        for kind, index in recipe:
+            if kind == "internal":
+                self.internal[name] = self.internal.get(name, 0) + index
+                continue
+            tensor = (inputs if kind == "input" else outputs)[index]
+            self._own(name, [tensor])  # a model input is credited to its first saver
+            self.saved.add(self._canonical(_storage_id(tensor)))
 
     def _isolate(self, value: Any, leaves: list[torch.Tensor]) -> Any:
         """A fresh autograd leaf for an input that needs a gradient, else a detached alias."""
@@ -239,11 +328,54 @@ class _MeasuringInterpreter(fx.Interpreter):
 
     def saved_bytes(self) -> dict[str, int]:
         """Bytes saved for backward, by the node that allocated them."""
-        totals: dict[str, int] = {}
+        totals = dict(self.internal)
         for storage in self.saved:
             name, size = self.owner[storage]
             totals[name] = totals.get(name, 0) + size
         return totals
+
+
+@dataclass(frozen=True)
+class _TensorTemplate:
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    dtype: torch.dtype
+    requires_grad: bool
+    source: int | None  # the input whose storage it views, or None for a new storage
+
+
+_RUN = object()  # a template that cannot be rebuilt: the node is run again
+
+
+@dataclass(frozen=True)
+class _Memo:
+    """A node's measurement, reusable by any node with the same signature."""
+
+    fwd_flops: int
+    bwd_flops: int
+    saved: tuple[Saved, ...]
+    output: Any  # a template of the output (see _template)
+
+
+def _rebuildable(template: Any) -> bool:
+    if template is _RUN:
+        return False
+    return all(map(_rebuildable, template)) if type(template) in (tuple, list) else True
+
+
+def _rebuild(template: Any, inputs: list[torch.Tensor]) -> Any:
+    if isinstance(template, _TensorTemplate):
+        if template.source is None:
+            tensor = torch.empty_strided(template.shape, template.stride, dtype=template.dtype,
+                                         device="meta")
+        else:
+            tensor = inputs[template.source].detach().as_strided(
+                template.shape, template.stride, template.offset)
+        return tensor.requires_grad_(template.requires_grad)
+    if type(template) in (tuple, list):
+        return type(template)(_rebuild(t, inputs) for t in template)
+    return template
 
 
 def _fused_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -267,6 +399,8 @@ def _tensors(value: Any) -> list[torch.Tensor]:
         return [value]
     if isinstance(value, tuple | list):
         return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
     return []
 
 
