@@ -13,9 +13,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pipec import __version__
-from pipec.costmodel import Training
+from pipec.calibrate import load_calibration, profile_model, save_calibration
+from pipec.costmodel import Fit, Training
 from pipec.driver import CompileOptions, compile_model
-from pipec.errors import PipecError
+from pipec.errors import ConfigError, PipecError
 from pipec.hardware import DEFAULT, PRESETS
 from pipec.inspection import inspect_model, render_json, render_table
 from pipec.normalize import NORM_CHOICES
@@ -42,6 +43,7 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_compile(commands)
     _add_inspect(commands)
+    _add_profile(commands)
     return parser
 
 
@@ -79,6 +81,8 @@ def _add_compile(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
                    help="GroupNorm groups (default: largest divisor of the channels ≤ 32)")
     p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd", help="(sgd)")
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="(fp32)")
+    p.add_argument("--calibration", type=Path, default=None,
+                   help="compute times measured by pipec profile (JSON) instead of the preset's")
     p.add_argument("--force", action="store_true",
                    help="replace an output directory that is not a previous pipec output")
     p.add_argument("-v", "--verbose", action="store_true", help="log each pass")
@@ -96,13 +100,50 @@ def _add_inspect(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument("--hardware", default=DEFAULT, help=f"device for the time estimate ({DEFAULT})")
     p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd", help="(sgd)")
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="(fp32)")
+    p.add_argument("--calibration", type=Path, default=None,
+                   help="compute times measured by pipec profile (JSON)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(run=_run_inspect)
 
 
+def _add_profile(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = commands.add_parser("profile", help="time a model on this machine and fit the cost model",
+                            description="Run MODEL on this machine's device at several "
+                            "micro-batch sizes, time every node forward and backward, and fit "
+                            "the time model's constants for pipec compile --calibration.")
+    p.add_argument("model", type=Path, help="model file defining build_model() and sample_batch()")
+    p.add_argument("--batch-size", type=int, default=16,
+                   help="largest micro-batch to time; powers of two up to it (16)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (cpu)")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per node, fastest (5)")
+    p.add_argument("-o", "--out", type=Path, default=Path("calibration.json"),
+                   help="calibration file to write (calibration.json)")
+    p.add_argument("-v", "--verbose", action="store_true", help="log progress")
+    p.set_defaults(run=_run_profile)
+
+
+def _run_profile(args: argparse.Namespace) -> int:
+    if args.batch_size < 1 or args.repeats < 1:
+        raise ConfigError(f"--batch-size {args.batch_size} and --repeats {args.repeats} must be "
+                          "positive")
+    calibration, samples = profile_model(args.model, args.batch_size, args.device, args.repeats)
+    save_calibration(calibration, args.out)
+    forward, backward = calibration.forward, calibration.backward
+    print(f"pipec: wrote {args.out}: {len(samples)} node timings on {calibration.device}; "
+          f"forward {forward.overhead_s * 1e6:.1f} µs/node + {_rate(forward)}, backward "
+          f"{backward.overhead_s * 1e6:.1f} µs/node + {_rate(backward)}")
+    return 0
+
+
+def _rate(fit: Fit) -> str:
+    return (f"{1 / fit.seconds_per_flop / 1e9:.1f} GFLOP/s" if fit.seconds_per_flop > 0
+            else "no FLOP term")
+
+
 def _run_inspect(args: argparse.Namespace) -> int:
+    calibration = load_calibration(args.calibration) if args.calibration else None
     rows, total = inspect_model(args.model, args.batch_size, args.depth, args.hardware,
-                                Training(args.optimizer, args.precision))
+                                Training(args.optimizer, args.precision), calibration)
     if args.json:
         print(json.dumps(render_json(rows, total), indent=2))
     else:
@@ -116,7 +157,7 @@ def _run_compile(args: argparse.Namespace) -> int:
         batch_size=args.batch_size, hardware=args.hardware, pp=args.pp,
         micro_batch=args.micro_batch, schedule=args.schedule, norm=args.norm,
         norm_groups=args.norm_groups, optimizer=args.optimizer, precision=args.precision,
-        force=args.force)
+        calibration=args.calibration, force=args.force)
     plan, emitted = compile_model(options)
     print(f"pipec: wrote {emitted.out}/ ({', '.join(emitted.files)}): {plan.pp} stage(s) × "
           f"{plan.dp} replica(s), micro-batch {plan.micro_batch}, {plan.schedule}, predicted "

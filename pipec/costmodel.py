@@ -37,6 +37,28 @@ class Training:
 
 
 @dataclass(frozen=True)
+class Fit:
+    """A measured time model: ``overhead + flops · seconds_per_flop + bytes · seconds_per_byte``."""
+
+    overhead_s: float
+    seconds_per_flop: float
+    seconds_per_byte: float
+
+    def seconds(self, flops: np.ndarray, moved_bytes: np.ndarray) -> np.ndarray:
+        return self.overhead_s + flops * self.seconds_per_flop + moved_bytes * self.seconds_per_byte
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Forward and backward time models fitted to one device's measurements (`pipec profile`);
+    they replace the preset's roofline for compute time."""
+
+    device: str
+    forward: Fit
+    backward: Fit
+
+
+@dataclass(frozen=True)
 class NodeArrays:
     """Per-node costs at one micro-batch size, as arrays (length n) for the solver."""
 
@@ -47,8 +69,8 @@ class NodeArrays:
     cut_bytes: np.ndarray  # length n + 1: bytes live across each cut
 
 
-def node_arrays(graph: CostGraph, device: Device, micro_batch: int,
-                training: Training) -> NodeArrays:
+def node_arrays(graph: CostGraph, device: Device, micro_batch: int, training: Training,
+                calibration: Calibration | None = None) -> NodeArrays:
     flops_rate = device.efficiency * (device.bf16_flops if training.precision == "bf16"
                                       else device.fp32_flops)
     ratio = ACTIVATION_RATIO[training.precision]
@@ -61,6 +83,9 @@ def node_arrays(graph: CostGraph, device: Device, micro_batch: int,
     overhead = device.kernel_overhead_s
     fwd = np.maximum(fwd_flops / flops_rate, moved / device.memory_bandwidth) + overhead
     bwd = np.maximum(bwd_flops / flops_rate, 2 * moved / device.memory_bandwidth) + overhead
+    if calibration is not None:
+        fwd = calibration.forward.seconds(fwd_flops, moved)
+        bwd = calibration.backward.seconds(bwd_flops, moved)
     static = (param_bytes * static_ratio(training)
               + np.array([n.buffer_bytes for n in graph.nodes], dtype=float))
     cut_bytes = np.array([c.at(micro_batch) for c in graph.cut_bytes]) * ratio

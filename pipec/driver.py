@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipec.annotate import MEASURED_BATCHES, annotate
+from pipec.calibrate import load_calibration
 from pipec.costmodel import Training
 from pipec.emit import Emitted, emit
 from pipec.errors import ConfigError
@@ -35,6 +36,7 @@ class CompileOptions:
     norm_groups: int | None = None
     optimizer: str = "sgd"
     precision: str = "fp32"
+    calibration: Path | None = None
     force: bool = False
 
 
@@ -72,4 +74,5 @@ def _request(options: CompileOptions) -> PlanRequest:
         gpus=options.gpus, nodes=options.nodes, global_batch=options.batch_size, pp=options.pp,
         micro_batch=options.micro_batch, schedule=options.schedule, hardware=options.hardware,
         device=load_hardware(options.hardware),
-        training=Training(options.optimizer, options.precision))
+        training=Training(options.optimizer, options.precision),
+        calibration=load_calibration(options.calibration) if options.calibration else None)

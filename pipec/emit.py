@@ -87,12 +87,13 @@ def plan_dict(plan: Plan, norms: NormPlan, traced: Traced) -> dict[str, Any]:
         "num_micro_batches": plan.num_micro_batches, "schedule": plan.schedule,
         "hardware": request.hardware, "optimizer": request.training.optimizer,
         "precision": request.training.precision, "frontend": traced.frontend,
+        "calibration": request.calibration.device if request.calibration else None,
         "inputs": list(traced.input_names),
         "stages": [{
             "index": s.index, "modules": list(s.modules), "params": s.params,
             "fwd_flops": s.fwd_flops, "bwd_flops": s.bwd_flops,
             "activation_bytes": s.activation_bytes, "memory_bytes": s.memory_bytes,
-            "time_s": s.time_s, "boundary_bytes": s.boundary_bytes,
+            "time_s": s.time_s, "compute_s": s.compute_s, "boundary_bytes": s.boundary_bytes,
             "nodes": [s.start, s.end],
         } for s in plan.stages],
         "predicted": {

@@ -9,7 +9,7 @@ from typing import Any
 from tabulate import tabulate
 
 from pipec.annotate import MEASURED_BATCHES, CostGraph, NodeCost, annotate
-from pipec.costmodel import Training, node_arrays
+from pipec.costmodel import Calibration, Training, node_arrays
 from pipec.errors import ConfigError
 from pipec.hardware import load_hardware
 from pipec.loader import load_model_file
@@ -32,7 +32,8 @@ class Row:
 
 
 def inspect_model(model: Path, batch_size: int, depth: int | None, hardware: str,
-                  training: Training) -> tuple[list[Row], Row]:
+                  training: Training, calibration: Calibration | None = None
+                  ) -> tuple[list[Row], Row]:
     """Rows per node (``depth`` None) or per module at ``depth``, and the totals."""
     if batch_size < 1:
         raise ConfigError(f"--batch-size {batch_size}: must be a positive integer")
@@ -41,7 +42,7 @@ def inspect_model(model: Path, batch_size: int, depth: int | None, hardware: str
     spec = load_model_file(model)
     traced = trace_model(spec)
     graph = annotate(traced, [batch_inputs(spec, size)[0] for size in MEASURED_BATCHES])
-    times = _node_times(graph, hardware, batch_size, training)
+    times = _node_times(graph, hardware, batch_size, training, calibration)
     shapes = {v.name: v.shape_at(batch_size) for v in graph.values}
     rows = [_row(n.name, [n], [t], batch_size, shapes)
             for n, t in zip(graph.nodes, times, strict=True)]
@@ -50,9 +51,9 @@ def inspect_model(model: Path, batch_size: int, depth: int | None, hardware: str
     return rows, _total(rows)
 
 
-def _node_times(graph: CostGraph, hardware: str, batch_size: int,
-                training: Training) -> list[float]:
-    arrays = node_arrays(graph, load_hardware(hardware), batch_size, training)
+def _node_times(graph: CostGraph, hardware: str, batch_size: int, training: Training,
+                calibration: Calibration | None) -> list[float]:
+    arrays = node_arrays(graph, load_hardware(hardware), batch_size, training, calibration)
     return [float(t) for t in arrays.fwd_s + arrays.bwd_s]
 
 

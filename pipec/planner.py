@@ -14,6 +14,7 @@ import numpy as np
 
 from pipec.annotate import CostGraph
 from pipec.costmodel import (
+    Calibration,
     NodeArrays,
     Training,
     allreduce_s,
@@ -39,6 +40,7 @@ class PlanRequest:
     hardware: str
     device: Device
     training: Training
+    calibration: Calibration | None = None  # measured compute times (pipec profile)
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,7 @@ class StagePlan:
     activation_bytes: float  # one micro-batch
     memory_bytes: float  # static + activations in flight
     time_s: float  # forward + backward + boundary, one micro-batch
+    compute_s: float  # forward + backward alone, one micro-batch
     boundary_bytes: float  # sent to the next stage, one micro-batch
 
 
@@ -166,7 +169,8 @@ def _schedules(request: PlanRequest) -> tuple[str, ...]:
 def _evaluate(graph: CostGraph, request: PlanRequest, pp: int, dp: int, micro_batch: int,
               schedule: str, fits_only: bool) -> _Evaluated | None:
     """Partition and simulate one candidate; with ``fits_only`` False, memory is ignored."""
-    arrays = node_arrays(graph, request.device, micro_batch, request.training)
+    arrays = node_arrays(graph, request.device, micro_batch, request.training,
+                         request.calibration)
     num_micro_batches = request.global_batch // (dp * micro_batch)
     flights = in_flight(schedule, pp, num_micro_batches)
     capacity = usable_memory(request.device) if fits_only else float("inf")
@@ -238,6 +242,7 @@ def _stage_plan(graph: CostGraph, e: _Evaluated, s: int, a: int, b: int) -> Stag
         activation_bytes=float(e.arrays.activation_bytes[a:b].sum()),
         memory_bytes=e.memory[s],
         time_s=float(e.arrays.fwd_s[a:b].sum() + e.arrays.bwd_s[a:b].sum() + e.cut_s[s, b]),
+        compute_s=float(e.arrays.fwd_s[a:b].sum() + e.arrays.bwd_s[a:b].sum()),
         boundary_bytes=0.0 if b == len(graph.nodes) else graph.cut_bytes[b].at(m),
     )
 
