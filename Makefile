@@ -19,8 +19,10 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q $(TORCH) -e '.[dev]'
 	touch $@
 
+# --pp: one stage per device, to show a pipeline (for this small model --pp auto would pick
+# pure data parallelism, which has no bubble).
 demo: venv
-	$(BIN)/pipec compile samples/resnet.py --gpus $(DEVICES) --batch-size 64 \
+	$(BIN)/pipec compile samples/resnet.py --gpus $(DEVICES) --pp $(DEVICES) --batch-size 64 \
 		--hardware $(HARDWARE) -o out/demo
 	@echo "--- out/demo/report.md (head) ---"
 	@head -12 out/demo/report.md

@@ -20,6 +20,7 @@ from pipec.errors import ConfigError, PipecError
 from pipec.hardware import DEFAULT, PRESETS
 from pipec.inspection import inspect_model, render_json, render_table
 from pipec.normalize import NORM_CHOICES
+from pipec.planner import STRATEGIES
 from pipec.schedule import SCHEDULES
 
 
@@ -69,7 +70,8 @@ def _add_compile(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument("--hardware", default=DEFAULT, help=f"device preset ({', '.join(PRESETS)}) "
                    f"or a JSON file ({DEFAULT})")
     p.add_argument("--pp", type=_auto_or_int, default=None,
-                   help="pipeline stages: auto (= --gpus) or K; data parallel = gpus / K")
+                   help="pipeline stages: auto (every K dividing --gpus is searched) or K; "
+                   "data parallel = gpus / K")
     p.add_argument("--micro-batch", type=_auto_or_int, default=None,
                    help="micro-batch size: auto (searched) or K")
     p.add_argument("--schedule", choices=("auto", *SCHEDULES), default="auto",
@@ -83,6 +85,8 @@ def _add_compile(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="(fp32)")
     p.add_argument("--calibration", type=Path, default=None,
                    help="compute times measured by pipec profile (JSON) instead of the preset's")
+    p.add_argument("--strategy", choices=STRATEGIES, default="pipec",
+                   help="emit pipec's plan (default) or a baseline's, to compare them")
     p.add_argument("--force", action="store_true",
                    help="replace an output directory that is not a previous pipec output")
     p.add_argument("-v", "--verbose", action="store_true", help="log each pass")
@@ -157,7 +161,7 @@ def _run_compile(args: argparse.Namespace) -> int:
         batch_size=args.batch_size, hardware=args.hardware, pp=args.pp,
         micro_batch=args.micro_batch, schedule=args.schedule, norm=args.norm,
         norm_groups=args.norm_groups, optimizer=args.optimizer, precision=args.precision,
-        calibration=args.calibration, force=args.force)
+        calibration=args.calibration, strategy=args.strategy, force=args.force)
     plan, emitted = compile_model(options)
     print(f"pipec: wrote {emitted.out}/ ({', '.join(emitted.files)}): {plan.pp} stage(s) × "
           f"{plan.dp} replica(s), micro-batch {plan.micro_batch}, {plan.schedule}, predicted "

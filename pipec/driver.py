@@ -37,6 +37,7 @@ class CompileOptions:
     optimizer: str = "sgd"
     precision: str = "fp32"
     calibration: Path | None = None
+    strategy: str = "pipec"
     force: bool = False
 
 
@@ -75,4 +76,5 @@ def _request(options: CompileOptions) -> PlanRequest:
         micro_batch=options.micro_batch, schedule=options.schedule, hardware=options.hardware,
         device=load_hardware(options.hardware),
         training=Training(options.optimizer, options.precision),
-        calibration=load_calibration(options.calibration) if options.calibration else None)
+        calibration=load_calibration(options.calibration) if options.calibration else None,
+        strategy=options.strategy)

@@ -26,6 +26,7 @@ from pipec.normalize import NormPlan
 from pipec.planner import Plan
 from pipec.report import (
     baseline_table,
+    max_batch_table,
     norm_table,
     search_table,
     stage_table,
@@ -103,13 +104,20 @@ def plan_dict(plan: Plan, norms: NormPlan, traced: Traced) -> dict[str, Any]:
         },
         "candidates": [{
             "micro_batch": c.micro_batch, "num_micro_batches": c.num_micro_batches,
-            "schedule": c.schedule, "samples_per_s": c.samples_per_s,
+            "schedule": c.schedule, "samples_per_s": c.samples_per_s, "pp": c.pp, "dp": c.dp,
             "peak_memory_bytes": c.peak_memory_bytes, "feasible": c.feasible,
         } for c in plan.candidates],
         "baselines": [{
             "name": b.name, "micro_batch": b.micro_batch, "schedule": b.schedule,
             "samples_per_s": b.samples_per_s, "feasible": b.feasible,
         } for b in plan.baselines],
+        "max_batch": {
+            "pipec": plan.max_batch[0].batch,
+            "baselines": {m.method: m.batch for m in plan.max_batch[1:]},
+            "limit": plan.max_batch_limit,
+            "capped": [m.method for m in plan.max_batch if m.capped],
+        },
+        "strategy": request.strategy,
         "norm": norms.choice,
         "norm_rewrites": [{"module": r.module, "from": r.from_, "to": r.to, "groups": r.groups}
                           for r in norms.rewrites],
@@ -159,8 +167,10 @@ def _report_context(plan: Plan, norms: NormPlan) -> dict[str, Any]:
     return {
         "stage_table": stage_table(plan), "search_table": search_table(plan),
         "baseline_table": baseline_table(plan), "norm_table": norm_table(norms),
+        "max_batch_table": max_batch_table(plan),
         "num_candidates": len(plan.candidates),
         "num_fitting": sum(c.feasible for c in plan.candidates),
+        "max_batch_limit": f"{plan.max_batch_limit:,}",
         "predicted_peak": _gib(max(s.memory_bytes for s in plan.stages)),
         "device_memory": _gib(usable_memory(plan.request.device)),
     }

@@ -29,7 +29,7 @@ def search_table(plan: Plan) -> str:
     too_big = sorted((c for c in plan.candidates if not c.feasible),
                      key=lambda c: -c.samples_per_s)
     ranked = fits[:TOP_CANDIDATES] + too_big[:3]
-    rows = [(c.micro_batch, c.num_micro_batches, c.schedule, f"{plan.pp}×{plan.dp}",
+    rows = [(c.micro_batch, c.num_micro_batches, c.schedule, f"{c.pp}×{c.dp}",
              f"{c.samples_per_s:,.1f}", f"{c.peak_memory_bytes / MIB:,.1f}",
              "yes" if c.feasible else "no") for c in ranked]
     headers = ("micro-batch", "micro-batches", "schedule", "pp×dp", "samples/s",
@@ -45,6 +45,16 @@ def baseline_table(plan: Plan) -> str:
              for b in plan.baselines]
     headers = ("method", "micro-batch", "schedule", "samples/s", "fits", "pipec ÷ method")
     return tabulate(rows, headers, tablefmt="github")
+
+
+def max_batch_table(plan: Plan) -> str:
+    """The largest global batch each method trains within memory; `≥ limit` when memory does
+    not bound it (1F1B holds at most pp micro-batches whatever the batch)."""
+    conventional = plan.max_batch[-1].batch
+    rows = [(m.method, f"≥ {m.batch:,}" if m.capped else f"{m.batch:,}",
+             f"{m.batch / conventional:.2f}{'+' if m.capped else ''}" if conventional else "—")
+            for m in plan.max_batch]
+    return tabulate(rows, ("method", "max global batch", "÷ conventional"), tablefmt="github")
 
 
 def norm_table(norms: NormPlan) -> str:

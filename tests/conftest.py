@@ -36,7 +36,10 @@ STEP_LINE = re.compile(r"^step (\d+) loss (\S+)", re.MULTILINE)
 
 
 def compile_to(model: Path, out: Path, **options: Any) -> Plan:
+    """Compile with the CPU preset and, unless the test says otherwise (pp=None: searched),
+    one pipeline stage per device."""
     options.setdefault("hardware", "cpu")
+    options.setdefault("pp", options.get("gpus", 1))
     plan, _ = compile_model(CompileOptions(model=model, out=out, **options))
     return plan
 

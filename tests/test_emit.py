@@ -33,7 +33,8 @@ def test_output_files_and_plan_keys(tmp_path: Path) -> None:
     assert all(set(stage) >= STAGE_KEYS for stage in plan["stages"])
     assert {"iteration_s", "samples_per_s", "bubble", "peak_memory_bytes"} <= set(
         plan["predicted"])
-    assert plan["baselines"][0]["name"] == "conventional"
+    assert [b["name"] for b in plan["baselines"]] == ["uniform", "parameters", "torchgpipe",
+                                                      "conventional"]
     assert plan["micro_batch"] * plan["num_micro_batches"] * plan["dp"] == 32
 
 

@@ -82,7 +82,7 @@ def test_rewritten_layer_equals_definition_and_carries_weights(tmp_path: Path) -
 
 @pytest.mark.parametrize(("gpus", "pp", "norm", "expected"), [
     (1, None, "auto", "keep"),
-    (2, None, "auto", "group"),
+    (2, 2, "auto", "group"),
     (2, 1, "auto", "sync"),
     (4, 2, "auto", "group"),
     (4, 2, "sync", "sync"),

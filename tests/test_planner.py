@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -114,3 +115,116 @@ def test_static_memory_per_parameter(optimizer: str, precision: str, ratio: floa
 
     # weight + gradient + optimizer state (+ the autocast bf16 weight copy), per fp32 byte
     assert static_ratio(Training(optimizer, precision)) == ratio
+
+
+def test_pp_auto_searches_every_split_of_the_devices(tmp_path: Path) -> None:
+    plan = compile_to(SAMPLES / "gpt.py", tmp_path / "o", gpus=4, pp=None, batch_size=16)
+    assert {(c.pp, c.dp) for c in plan.candidates} == {(1, 4), (2, 2), (4, 1)}
+    assert plan.samples_per_s == max(c.samples_per_s for c in plan.candidates if c.feasible)
+    assert plan.pp * plan.dp == 4
+
+
+def test_memory_forces_a_pipeline_when_one_device_cannot_hold_the_model(tmp_path: Path) -> None:
+    # 3 MiB per device (2.7 usable): the GPT's 234,880 parameters take 2.8 MB with their
+    # gradients and momentum, so the whole model fits no single device and data parallelism
+    # alone is not an option.
+    small = tmp_path / "small.json"
+    small.write_text('{"name": "small", "fp32_flops": 1e12, "bf16_flops": 1e12, '
+                     '"memory_bandwidth": 1e11, "memory_bytes": 3145728, '
+                     '"intra_node_bandwidth": 1e10, "inter_node_bandwidth": 1e9, '
+                     '"intra_node_latency_s": 1e-6, "inter_node_latency_s": 1e-5, '
+                     '"kernel_overhead_s": 1e-5, "efficiency": 0.5}')
+    plan = compile_to(SAMPLES / "gpt.py", tmp_path / "o", gpus=4, pp=None, batch_size=16,
+                      hardware=str(small))
+    assert not any(c.feasible for c in plan.candidates if c.pp == 1)
+    assert plan.pp > 1
+
+
+def test_baselines_are_never_predicted_faster(tmp_path: Path) -> None:
+    plan = compile_to(SAMPLES / "resnet.py", tmp_path / "o", gpus=4, batch_size=64)
+    assert [b.name for b in plan.baselines] == ["uniform", "parameters", "torchgpipe",
+                                                "conventional"]
+    for baseline in plan.baselines:
+        if baseline.feasible:
+            assert plan.samples_per_s >= baseline.samples_per_s * (1 - 1e-12)
+
+
+def test_uniform_boundaries_are_equal_node_counts_on_legal_cuts() -> None:
+    import numpy as np
+
+    from pipec.planner import uniform_boundaries
+
+    assert uniform_boundaries(np.ones(13, bool), 4) == (0, 3, 6, 9, 12)
+    legal = np.array([True, False, False, True, True, False, True, True, True])
+    bounds = uniform_boundaries(legal, 3)
+    assert bounds[0] == 0 and bounds[-1] == 8 and all(legal[b] for b in bounds)
+    assert len(set(bounds)) == 4
+
+
+@pytest.mark.parametrize("strategy", ["uniform", "parameters", "torchgpipe", "conventional"])
+def test_strategy_emits_the_baselines_plan(strategy: str, tmp_path: Path) -> None:
+    import json
+
+    pipec = compile_to(SAMPLES / "gpt.py", tmp_path / "a", gpus=4, batch_size=16)
+    baseline = compile_to(SAMPLES / "gpt.py", tmp_path / "b", gpus=4, batch_size=16,
+                          strategy=strategy)
+    expected = next(b for b in pipec.baselines if b.name == strategy)
+    assert baseline.samples_per_s == pytest.approx(expected.samples_per_s)
+    assert (baseline.micro_batch, baseline.schedule) == (expected.micro_batch, expected.schedule)
+    assert json.loads((tmp_path / "b" / "plan.json").read_text())["strategy"] == strategy
+
+
+def test_unknown_strategy(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="--strategy 'fastest'"):
+        compile_to(SAMPLES / "mlp.py", tmp_path / "o", strategy="fastest")
+
+
+def test_fixed_choices_are_kept_even_when_a_baseline_is_faster(tmp_path: Path) -> None:
+    # conventional (M = 4 · pp micro-batches of 1 here) may simulate faster than micro-batch 8:
+    # what the user fixed wins.
+    plan = compile_to(SAMPLES / "resnet.py", tmp_path / "o", gpus=4, pp=2, batch_size=16,
+                      micro_batch=8, schedule="gpipe")
+    assert (plan.pp, plan.dp, plan.micro_batch, plan.schedule) == (2, 2, 8, "gpipe")
+
+
+def _small_device(tmp_path: Path, mebibytes: int) -> str:
+    path = tmp_path / f"small{mebibytes}.json"
+    path.write_text('{"name": "small", "fp32_flops": 1e12, "bf16_flops": 1e12, '
+                    f'"memory_bandwidth": 1e11, "memory_bytes": {mebibytes * 2**20}, '
+                    '"intra_node_bandwidth": 1e10, "inter_node_bandwidth": 1e9, '
+                    '"intra_node_latency_s": 1e-6, "inter_node_latency_s": 1e-5, '
+                    '"kernel_overhead_s": 1e-5, "efficiency": 0.5}')
+    return str(path)
+
+
+def test_max_batch_is_exact_at_its_boundary(tmp_path: Path) -> None:
+    """Under GPipe memory grows with the batch: the reported maximum compiles, one more
+    step of the search does not."""
+    device = _small_device(tmp_path, 24)
+    plan = compile_to(SAMPLES / "resnet.py", tmp_path / "a", gpus=2, batch_size=16,
+                      schedule="gpipe", hardware=device)
+    best = plan.max_batch[0]
+    assert best.method == "pipec" and not best.capped and best.batch >= 16
+    compile_to(SAMPLES / "resnet.py", tmp_path / "b", gpus=2, batch_size=best.batch,
+               schedule="gpipe", hardware=device)
+    with pytest.raises(InfeasibleError):
+        compile_to(SAMPLES / "resnet.py", tmp_path / "c", gpus=2, batch_size=best.batch + 2,
+                   schedule="gpipe", hardware=device)
+
+
+def test_pipec_trains_at_least_the_batch_of_every_baseline(tmp_path: Path) -> None:
+    plan = compile_to(SAMPLES / "resnet.py", tmp_path / "o", gpus=4, pp=None, batch_size=16,
+                      schedule="gpipe", hardware=_small_device(tmp_path, 24))
+    pipec, *baselines = plan.max_batch
+    assert [b.method for b in baselines] == ["uniform", "parameters", "torchgpipe",
+                                             "conventional"]
+    assert all(pipec.batch >= b.batch for b in baselines)
+    data = json.loads((tmp_path / "o" / "plan.json").read_text())["max_batch"]
+    assert data["pipec"] == pipec.batch and set(data["baselines"]) == {b.method for b in baselines}
+
+
+def test_1f1b_makes_the_batch_unbounded_by_memory(tmp_path: Path) -> None:
+    plan = compile_to(SAMPLES / "resnet.py", tmp_path / "o", gpus=2, batch_size=16,
+                      hardware=_small_device(tmp_path, 24))
+    assert plan.max_batch[0].capped and plan.max_batch[0].batch == plan.max_batch_limit
+    assert "≥ 1,024" in (tmp_path / "o" / "report.md").read_text()
