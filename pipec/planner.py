@@ -424,7 +424,9 @@ def _max_batch(graph: CostGraph, request: PlanRequest, method: str,
         return any(_fits_batch(graph, request, method, pp, dp, balance, batch)
                    for pp, dp in splits if batch % (dp * (4 * pp if method == "conventional"
                                                           else 1)) == 0)
-    unit = request.gpus * (4 * max(pp for pp, _ in splits) if method == "conventional" else 1)
+    # Batches tried: multiples of the device count (every split's dp divides it); conventional
+    # needs 4 · pp micro-batches on each of its dp replicas.
+    unit = (splits[0][1] * 4 * splits[0][0] if method == "conventional" else request.gpus)
     if not fits(unit):
         return MaxBatch(method, 0, False)
     if method != "conventional" and _bounded_by_flight(request):

@@ -228,3 +228,11 @@ def test_1f1b_makes_the_batch_unbounded_by_memory(tmp_path: Path) -> None:
                       hardware=_small_device(tmp_path, 24))
     assert plan.max_batch[0].capped and plan.max_batch[0].batch == plan.max_batch_limit
     assert "≥ 1,024" in (tmp_path / "o" / "report.md").read_text()
+
+
+def test_conventional_max_batch_steps_by_its_own_micro_batch_count(tmp_path: Path) -> None:
+    # One pipeline of 4 stages needs 16 micro-batches: batches of 16, 32, ... (not 4 × 16).
+    plan = compile_to(SAMPLES / "resnet.py", tmp_path / "o", gpus=4, batch_size=16,
+                      schedule="gpipe", hardware=_small_device(tmp_path, 24))
+    conventional = plan.max_batch[-1]
+    assert conventional.batch > 0 and conventional.batch % 16 == 0

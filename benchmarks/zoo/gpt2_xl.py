@@ -10,27 +10,31 @@ LAYERS, WIDTH, HEADS, CONTEXT, VOCAB = 48, 1600, 25, 1024, 50257
 
 
 class Attention(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, width: int, heads: int, causal: bool = True) -> None:
         super().__init__()
-        self.qkv = nn.Linear(WIDTH, 3 * WIDTH)
-        self.proj = nn.Linear(WIDTH, WIDTH)
+        self.width, self.heads, self.causal = width, heads, causal
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, tokens, width = x.shape
-        q, k, v = self.qkv(x).split(WIDTH, dim=2)
-        q, k, v = (t.view(batch, tokens, HEADS, width // HEADS).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        q, k, v = self.qkv(x).split(self.width, dim=2)
+        q, k, v = (t.view(batch, tokens, self.heads, width // self.heads).transpose(1, 2)
+                   for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
         return self.proj(y.transpose(1, 2).reshape(batch, tokens, width))
 
 
 class Block(nn.Module):
-    def __init__(self) -> None:
+    """A pre-norm transformer block (GPT-2, ViT; BERT is post-norm but costs the same)."""
+
+    def __init__(self, width: int, heads: int, causal: bool = True) -> None:
         super().__init__()
-        self.ln1 = nn.LayerNorm(WIDTH)
-        self.attn = Attention()
-        self.ln2 = nn.LayerNorm(WIDTH)
-        self.fc = nn.Linear(WIDTH, 4 * WIDTH)
-        self.out = nn.Linear(4 * WIDTH, WIDTH)
+        self.ln1 = nn.LayerNorm(width)
+        self.attn = Attention(width, heads, causal)
+        self.ln2 = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, 4 * width)
+        self.out = nn.Linear(4 * width, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -38,13 +42,14 @@ class Block(nn.Module):
 
 
 class GPT2(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, layers: int = LAYERS, width: int = WIDTH, heads: int = HEADS,
+                 context: int = CONTEXT, vocab: int = VOCAB, causal: bool = True) -> None:
         super().__init__()
-        self.tok_emb = nn.Embedding(VOCAB, WIDTH)
-        self.pos_emb = nn.Embedding(CONTEXT, WIDTH)
-        self.blocks = nn.Sequential(*[Block() for _ in range(LAYERS)])
-        self.ln_f = nn.LayerNorm(WIDTH)
-        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.tok_emb = nn.Embedding(vocab, width)
+        self.pos_emb = nn.Embedding(context, width)
+        self.blocks = nn.Sequential(*[Block(width, heads, causal) for _ in range(layers)])
+        self.ln_f = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(idx.shape[1], device=idx.device)

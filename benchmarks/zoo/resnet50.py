@@ -32,13 +32,13 @@ class Bottleneck(nn.Module):
 
 
 class ResNet50(nn.Module):
-    def __init__(self, classes: int = 1000) -> None:
+    def __init__(self, classes: int = 1000, blocks_per_layer: tuple[int, ...] = BLOCKS) -> None:
         super().__init__()
         self.stem = nn.Sequential(nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64),
                                   nn.ReLU(inplace=True), nn.MaxPool2d(3, 2, 1))
         layers: list[nn.Module] = []
         channels = 64
-        for i, (blocks, width) in enumerate(zip(BLOCKS, WIDTHS, strict=True)):
+        for i, (blocks, width) in enumerate(zip(blocks_per_layer, WIDTHS, strict=True)):
             for b in range(blocks):
                 layers.append(Bottleneck(channels, width, 2 if i > 0 and b == 0 else 1))
                 channels = width * EXPANSION
