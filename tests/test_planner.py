@@ -11,6 +11,16 @@ from conftest import SAMPLES, compile_to
 from pipec.errors import ConfigError, InfeasibleError
 
 
+def _small_device(tmp_path: Path, mebibytes: float) -> str:
+    path = tmp_path / f"small{mebibytes}.json"
+    path.write_text('{"name": "small", "fp32_flops": 1e12, "bf16_flops": 1e12, '
+                    f'"memory_bandwidth": 1e11, "memory_bytes": {int(mebibytes * 2**20)}, '
+                    '"intra_node_bandwidth": 1e10, "inter_node_bandwidth": 1e9, '
+                    '"intra_node_latency_s": 1e-6, "inter_node_latency_s": 1e-5, '
+                    '"kernel_overhead_s": 1e-5, "efficiency": 0.5}')
+    return str(path)
+
+
 def test_micro_batch_divides_the_replica_batch(tmp_path: Path) -> None:
     plan = compile_to(SAMPLES / "resnet.py", tmp_path / "o", gpus=2, batch_size=24)
     assert plan.micro_batch * plan.num_micro_batches == 24
@@ -44,15 +54,9 @@ def test_1f1b_is_only_chosen_with_a_micro_batch_per_stage(tmp_path: Path) -> Non
 
 
 def test_memory_that_does_not_fit_is_an_error_with_numbers(tmp_path: Path) -> None:
-    tiny = tmp_path / "tiny.json"
-    tiny.write_text('{"name": "tiny", "fp32_flops": 1e12, "bf16_flops": 1e12, '
-                    '"memory_bandwidth": 1e11, "memory_bytes": 100000, '
-                    '"intra_node_bandwidth": 1e10, "inter_node_bandwidth": 1e9, '
-                    '"intra_node_latency_s": 1e-6, "inter_node_latency_s": 1e-5, '
-                    '"kernel_overhead_s": 1e-5, "efficiency": 0.5}')
+    tiny = _small_device(tmp_path, 100000 / 2**20)
     with pytest.raises(InfeasibleError, match=r"needs \d+\.\d+ GiB .* have 0\.00 GiB"):
-        compile_to(SAMPLES / "gpt.py", tmp_path / "o", gpus=2, batch_size=8,
-                   hardware=str(tiny))
+        compile_to(SAMPLES / "gpt.py", tmp_path / "o", gpus=2, batch_size=8, hardware=tiny)
     assert not (tmp_path / "o").exists()
 
 
@@ -91,16 +95,11 @@ def test_crosses_nodes() -> None:
 
 
 def test_candidates_that_do_not_fit_are_reported_not_chosen(tmp_path: Path) -> None:
-    small = tmp_path / "small.json"
     # 32 MiB (28.8 usable): GPipe, with the whole batch in flight, needs about 47 MiB on its
     # fuller stage and does not fit; 1F1B with micro-batches up to 16 does.
-    small.write_text('{"name": "small", "fp32_flops": 1e12, "bf16_flops": 1e12, '
-                     '"memory_bandwidth": 1e11, "memory_bytes": 33554432, '
-                     '"intra_node_bandwidth": 1e10, "inter_node_bandwidth": 1e9, '
-                     '"intra_node_latency_s": 1e-6, "inter_node_latency_s": 1e-5, '
-                     '"kernel_overhead_s": 1e-5, "efficiency": 0.5}')
+    small = _small_device(tmp_path, 32)
     plan = compile_to(SAMPLES / "resnet.py", tmp_path / "o", gpus=2, batch_size=64,
-                      hardware=str(small))
+                      hardware=small)
     too_big = [c for c in plan.candidates if not c.feasible]
     assert too_big and all(c.peak_memory_bytes > 32 * 2**20 * 0.9 for c in too_big)
     assert {c.schedule for c in too_big} >= {"gpipe"}
@@ -128,14 +127,9 @@ def test_memory_forces_a_pipeline_when_one_device_cannot_hold_the_model(tmp_path
     # 3 MiB per device (2.7 usable): the GPT's 234,880 parameters take 2.8 MB with their
     # gradients and momentum, so the whole model fits no single device and data parallelism
     # alone is not an option.
-    small = tmp_path / "small.json"
-    small.write_text('{"name": "small", "fp32_flops": 1e12, "bf16_flops": 1e12, '
-                     '"memory_bandwidth": 1e11, "memory_bytes": 3145728, '
-                     '"intra_node_bandwidth": 1e10, "inter_node_bandwidth": 1e9, '
-                     '"intra_node_latency_s": 1e-6, "inter_node_latency_s": 1e-5, '
-                     '"kernel_overhead_s": 1e-5, "efficiency": 0.5}')
+    small = _small_device(tmp_path, 3)
     plan = compile_to(SAMPLES / "gpt.py", tmp_path / "o", gpus=4, pp=None, batch_size=16,
-                      hardware=str(small))
+                      hardware=small)
     assert not any(c.feasible for c in plan.candidates if c.pp == 1)
     assert plan.pp > 1
 
@@ -185,16 +179,6 @@ def test_fixed_choices_are_kept_even_when_a_baseline_is_faster(tmp_path: Path) -
     plan = compile_to(SAMPLES / "resnet.py", tmp_path / "o", gpus=4, pp=2, batch_size=16,
                       micro_batch=8, schedule="gpipe")
     assert (plan.pp, plan.dp, plan.micro_batch, plan.schedule) == (2, 2, 8, "gpipe")
-
-
-def _small_device(tmp_path: Path, mebibytes: int) -> str:
-    path = tmp_path / f"small{mebibytes}.json"
-    path.write_text('{"name": "small", "fp32_flops": 1e12, "bf16_flops": 1e12, '
-                    f'"memory_bandwidth": 1e11, "memory_bytes": {mebibytes * 2**20}, '
-                    '"intra_node_bandwidth": 1e10, "inter_node_bandwidth": 1e9, '
-                    '"intra_node_latency_s": 1e-6, "inter_node_latency_s": 1e-5, '
-                    '"kernel_overhead_s": 1e-5, "efficiency": 0.5}')
-    return str(path)
 
 
 def test_max_batch_is_exact_at_its_boundary(tmp_path: Path) -> None:
