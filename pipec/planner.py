@@ -410,8 +410,8 @@ MAX_BATCH_FACTOR = 64
 def _max_batches(graph: CostGraph, request: PlanRequest, chosen: tuple[int, int],
                  limit: int) -> tuple[MaxBatch, ...]:
     """pipec (any pp × dp it may pick) and each baseline (its own boundaries and pp × dp)."""
-    splits = [(pp, dp) for pp, dp in _device_splits(graph, request)]
-    methods: list[tuple[str, list[tuple[int, int]], str]] = [("pipec", splits, "pipec")]
+    methods: list[tuple[str, list[tuple[int, int]], str]] = [
+        ("pipec", _device_splits(graph, request), "pipec")]
     methods += [(name, [chosen], balance) for name, balance in BALANCES.items()]
     methods.append(("conventional", [_pure_pipeline(graph, request)], "time"))
     return tuple(_max_batch(graph, request, name, options, balance, limit)
