@@ -64,14 +64,15 @@ def split(traced: Traced, graph: CostGraph, plan: Plan, user_module: str) -> Sta
     for stage in plan.stages:
         last = stage.index == len(plan.stages) - 1
         outputs = () if last else tuple(live[stage.end])
-        stage_graph, paths = _stage_graph(gm, compute[stage.start:stage.end], live[stage.start],
-                                          outputs)
+        # The first stage takes every model input, used or not: the data arrives whole.
+        inputs = list(traced.input_names) if stage.index == 0 else live[stage.start]
+        stage_graph, paths = _stage_graph(gm, compute[stage.start:stage.end], inputs, outputs)
         source, lines = _stage_source(stage_graph.python_code(root_module="self"), user_module)
         imports.update(dict.fromkeys(lines))
         specs = _Specs(graph, plan)
         codes.append(StageCode(
-            stage.index, f"Stage{stage.index}", tuple(live[stage.start]), outputs, paths, source,
-            input_specs=specs.of(live[stage.start], sent=stage.index > 0),
+            stage.index, f"Stage{stage.index}", tuple(inputs), outputs, paths, source,
+            input_specs=specs.of(inputs, sent=stage.index > 0),
             output_specs=specs.of(outputs or _model_outputs(gm), sent=not last)))
     return Staged(tuple(codes), tuple(sorted(imports)))
 

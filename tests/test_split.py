@@ -11,7 +11,8 @@ import torch
 from conftest import MODELS, SAMPLES, compile_to, emitted_modules
 
 MODEL_FILES = [SAMPLES / "mlp.py", SAMPLES / "resnet.py", SAMPLES / "gpt.py",
-               MODELS / "skip_two_inputs.py", MODELS / "shared_module.py"]
+               MODELS / "skip_two_inputs.py", MODELS / "shared_module.py",
+               MODELS / "unused_input.py"]
 
 
 def composed(stages_module: object, model: torch.nn.Module, inputs: tuple[torch.Tensor, ...]

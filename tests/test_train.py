@@ -159,3 +159,8 @@ def test_sync_batch_norm_trains_like_one_process_on_the_whole_batch(gpus: int, p
                    micro_batch=16 // (gpus // pp), schedule="gpipe")
     assert "SyncBatchNorm" in (tmp_path / "sync" / "plan.json").read_text()
     assert_same_losses(synced, reference)
+
+
+def test_an_unused_input_still_reaches_the_first_stage(tmp_path: Path) -> None:
+    reference = train(MODELS / "unused_input.py", tmp_path, "one", 1)
+    assert_same_losses(train(MODELS / "unused_input.py", tmp_path, "pp2", 2), reference)
