@@ -59,13 +59,14 @@ def split(traced: Traced, graph: CostGraph, plan: Plan, user_module: str) -> Sta
     gm = traced.graph_module
     compute = [n for n in gm.graph.nodes if n.op in COMPUTE_OPS]
     live = live_values(gm)
+    placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     codes: list[StageCode] = []
     imports: dict[str, None] = {}
     for stage in plan.stages:
         last = stage.index == len(plan.stages) - 1
         outputs = () if last else tuple(live[stage.end])
         # The first stage takes every model input, used or not: the data arrives whole.
-        inputs = list(traced.input_names) if stage.index == 0 else live[stage.start]
+        inputs = placeholders if stage.index == 0 else live[stage.start]
         stage_graph, paths = _stage_graph(gm, compute[stage.start:stage.end], inputs, outputs)
         source, lines = _stage_source(stage_graph.python_code(root_module="self"), user_module)
         imports.update(dict.fromkeys(lines))

@@ -26,8 +26,9 @@ EXAMPLES = int(os.environ.get("PIPEC_FUZZ_EXAMPLES", "25"))
 
 
 @st.composite
-def programs(draw: st.DrawFn) -> tuple[int, list[tuple[str, ...]]]:
-    """(number of inputs, operations); operation k makes value ``inputs + k``."""
+def programs(draw: st.DrawFn) -> tuple[int, list[tuple[str, ...]], str]:
+    """(number of inputs, operations, the first input's name); operation k makes value
+    ``inputs + k``. The name is sometimes `input`, which fx renames (`input_1`)."""
     inputs = draw(st.integers(1, 2))
     operations: list[tuple[str, ...]] = []
     for k in range(draw(st.integers(1, 10))):
@@ -38,10 +39,10 @@ def programs(draw: st.DrawFn) -> tuple[int, list[tuple[str, ...]]]:
             operations.append((kind, str(draw(pick)), str(draw(pick))))
         else:
             operations.append((kind, str(draw(pick))))
-    return inputs, operations
+    return inputs, operations, draw(st.sampled_from(["v0", "input"]))
 
 
-def model_source(inputs: int, operations: list[tuple[str, ...]]) -> str:
+def model_source(inputs: int, operations: list[tuple[str, ...]], first: str = "v0") -> str:
     layers, body = [], []
     for k, (kind, *args) in enumerate(operations):
         out, a = f"v{inputs + k}", f"v{args[0]}"
@@ -57,13 +58,13 @@ def model_source(inputs: int, operations: list[tuple[str, ...]]) -> str:
             body.append(f"        {out} = self.l{k}(torch.cat([{a}, v{args[1]}], dim=1))")
         else:
             body.append(f"        {out} = self.shared({a})")
-    names = ", ".join(f"v{i}" for i in range(inputs))
+    names = ", ".join([first] + [f"v{i}" for i in range(1, inputs)])
     batch = ", ".join(f"torch.randn(batch_size, {WIDTH})" for _ in range(inputs))
     return "\n".join([
         "import torch", "from torch import nn", "", "",
         "class Random(nn.Module):", "    def __init__(self):", "        super().__init__()",
         f"        self.shared = nn.Linear({WIDTH}, {WIDTH})", *layers, "",
-        f"    def forward(self, {names}):", *body,
+        f"    def forward(self, {names}):", f"        v0 = {first}", *body,
         f"        return v{inputs + len(operations) - 1}", "", "",
         "def build_model():", "    return Random()", "", "",
         "def sample_batch(batch_size):",
@@ -75,7 +76,7 @@ def model_source(inputs: int, operations: list[tuple[str, ...]]) -> str:
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(programs(), st.integers(1, 4))
 def test_random_models_split_into_stages_that_compose_exactly(
-        program: tuple[int, list[tuple[str, ...]]], stages: int) -> None:
+        program: tuple[int, list[tuple[str, ...]], str], stages: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "random_model.py"
         path.write_text(model_source(*program))
