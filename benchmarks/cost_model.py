@@ -18,6 +18,7 @@ import torch
 from tabulate import tabulate
 
 from pipec.annotate import MEASURED_BATCHES, CostGraph, annotate
+from pipec.calibrate import measured_saved_bytes
 from pipec.loader import load_model_file
 from pipec.trace import batch_inputs, trace_model
 
@@ -54,22 +55,10 @@ def flops_table() -> str:
 
 
 def real_saved_bytes(path: Path, batch: int) -> int:
-    """What autograd really saves on CPU for one forward (each storage once, no parameters)."""
+    """What autograd really saves on CPU for one forward of the model file's model."""
     spec = load_model_file(path)
     torch.manual_seed(0)
-    model = spec.build_model()
-    static = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-    seen: dict[int, int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in static:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(*batch_inputs(spec, batch)[0])
-    return sum(seen.values())
+    return measured_saved_bytes(spec.build_model(), batch_inputs(spec, batch)[0])
 
 
 def activation_table(batch: int = 16) -> str:

@@ -213,6 +213,23 @@ def _fit(features: list[tuple[float, float]], seconds: list[float]) -> Fit:
     return Fit(*map(float, best[1]))
 
 
+def measured_saved_bytes(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> int:
+    """Bytes autograd really saves for backward in one forward of ``model`` (each storage
+    once, parameters and buffers excluded): what `annotate` predicts on meta tensors."""
+    static = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    seen: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in static:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(*inputs)
+    return sum(seen.values())
+
+
 def save_calibration(calibration: Calibration, path: Path) -> None:
     path.write_text(json.dumps(asdict(calibration), indent=2, sort_keys=True) + "\n")
 

@@ -9,6 +9,7 @@ import torch
 
 from conftest import MODELS, SAMPLES
 from pipec.annotate import MEASURED_BATCHES, CostGraph, annotate
+from pipec.calibrate import measured_saved_bytes
 from pipec.loader import load_model_file
 from pipec.trace import Traced, batch_inputs, trace_model
 
@@ -70,23 +71,6 @@ def test_a_shared_module_cannot_be_cut() -> None:
     assert graph.nodes[uses[0]].params == 8 * 8 + 8 and graph.nodes[uses[1]].params == 0
 
 
-def real_saved_bytes(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...]
-                     ) -> tuple[int, torch.Tensor]:
-    """Bytes autograd really saves on CPU (each storage once, parameters excluded)."""
-    static = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-    seen: dict[int, int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in static:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        output = model(*inputs)
-    return sum(seen.values()), output
-
-
 @pytest.mark.parametrize("path", [SAMPLES / "mlp.py", SAMPLES / "resnet.py", SAMPLES / "gpt.py",
                                   MODELS / "skip_two_inputs.py", MODELS / "transposed.py"],
                          ids=lambda p: p.stem)
@@ -107,7 +91,7 @@ def test_per_node_totals_equal_the_whole_model(path: Path) -> None:
     assert sum(n.fwd_flops.at(batch) for n in graph.nodes) == forward.get_total_flops()
     assert sum(n.bwd_flops.at(batch) for n in graph.nodes) == backward.get_total_flops()
     torch.manual_seed(0)
-    real, _ = real_saved_bytes(spec.build_model(), batch_inputs(spec, batch)[0])
+    real = measured_saved_bytes(spec.build_model(), batch_inputs(spec, batch)[0])
     predicted = sum(n.saved_bytes.at(batch) for n in graph.nodes)
     assert abs(predicted - real) <= 0.10 * real, (predicted, real)
 
