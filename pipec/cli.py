@@ -80,7 +80,8 @@ def _add_compile(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
                    help="BatchNorm handling (auto: GroupNorm when pipelined, SyncBatchNorm when "
                    "only data-parallel, unchanged on one device)")
     p.add_argument("--norm-groups", type=int, default=None,
-                   help="GroupNorm groups (default: largest divisor of the channels ≤ 32)")
+                   help="GroupNorm groups (default: the largest divisor of the channels ≤ 32 "
+                   "leaving each group at least 16 values)")
     p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd", help="(sgd)")
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="(fp32)")
     p.add_argument("--calibration", type=Path, default=None,

@@ -47,7 +47,7 @@ def compile_model(options: CompileOptions) -> tuple[Plan, Emitted]:
     traced = trace_model(spec)
     graph = annotate(traced, [batch_inputs(spec, size)[0] for size in MEASURED_BATCHES])
     chosen = plan(graph, request)
-    norms = plan_norms(traced, chosen.pp, chosen.dp, chosen.micro_batch, options.norm,
+    norms = plan_norms(traced, graph, chosen.pp, chosen.dp, chosen.micro_batch, options.norm,
                        options.norm_groups)
     staged = split(traced, graph, chosen, spec.module.__name__)
     emitted = emit(spec, traced, chosen, norms, staged, options.out, options.force)

@@ -13,10 +13,12 @@ affine weight and bias over (GroupNorm has no running statistics; SyncBatchNorm 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 from torch import nn
 
+from pipec.annotate import CostGraph
 from pipec.errors import ConfigError
 from pipec.trace import Traced
 
@@ -24,6 +26,10 @@ log = logging.getLogger(__name__)
 
 NORM_CHOICES = ("auto", "keep", "group", "sync")
 MAX_GROUPS = 32  # Wu & He's default group count
+# Values each group normalizes over (channels per group × spatial size), at least: a group of one
+# value normalizes to zero, and tiny groups give noisy statistics. Wu & He's 32 groups assume
+# convolutional features; a BatchNorm1d on (N, C) features gets fewer, down to 1 (all channels).
+MIN_GROUP_VALUES = 16
 
 
 @dataclass(frozen=True)
@@ -41,8 +47,8 @@ class NormPlan:
     rewrites: tuple[NormRewrite, ...]
 
 
-def plan_norms(traced: Traced, pp: int, dp: int, micro_batch: int, choice: str,
-               groups: int | None = None) -> NormPlan:
+def plan_norms(traced: Traced, graph: CostGraph, pp: int, dp: int, micro_batch: int,
+               choice: str, groups: int | None = None) -> NormPlan:
     """The rewrites for ``--norm choice`` on a plan of ``pp`` stages × ``dp`` replicas."""
     if choice not in NORM_CHOICES:
         raise ConfigError(f"--norm {choice!r} is not supported; use one of "
@@ -59,7 +65,16 @@ def plan_norms(traced: Traced, pp: int, dp: int, micro_batch: int, choice: str,
     if applied == "sync":
         return NormPlan("sync", tuple(NormRewrite(name, type(m).__name__, "SyncBatchNorm", None,
                                                   int(m.num_features)) for name, m in batch_norms))
-    return NormPlan("group", tuple(_to_group_norm(name, m, groups) for name, m in batch_norms))
+    spatial = _spatial_sizes(graph)
+    return NormPlan("group", tuple(_to_group_norm(name, m, groups, spatial.get(name, 1))
+                                   for name, m in batch_norms))
+
+
+def _spatial_sizes(graph: CostGraph) -> dict[str, int]:
+    """Values per channel (the product of the dimensions after the channels) of each module's
+    output, from the annotated shapes."""
+    return {n.target: math.prod(n.shape[2:]) for n in graph.nodes
+            if n.op == "call_module" and n.shape}
 
 
 def _resolve(choice: str, pp: int, dp: int) -> str:
@@ -70,14 +85,23 @@ def _resolve(choice: str, pp: int, dp: int) -> str:
     return "sync" if dp > 1 else "keep"
 
 
-def _to_group_norm(name: str, batch_norm: nn.Module, groups: int | None) -> NormRewrite:
+def _to_group_norm(name: str, batch_norm: nn.Module, groups: int | None,
+                   spatial: int) -> NormRewrite:
     channels = int(batch_norm.num_features)
     if groups is None:
-        groups = largest_divisor(channels, MAX_GROUPS)
+        groups = group_count(channels, spatial)
     elif channels % groups:
         raise ConfigError(f"--norm-groups {groups} does not divide the {channels} channels of "
                           f"{name}; choose a divisor of {channels}")
     return NormRewrite(name, type(batch_norm).__name__, "GroupNorm", groups, channels)
+
+
+def group_count(channels: int, spatial: int) -> int:
+    """The largest divisor of the channels, at most MAX_GROUPS, that leaves each group at least
+    MIN_GROUP_VALUES values; 1 when none does."""
+    fitting = [g for g in range(1, min(channels, MAX_GROUPS) + 1)
+               if channels % g == 0 and channels // g * spatial >= MIN_GROUP_VALUES]
+    return max(fitting, default=1)
 
 
 def largest_divisor(value: int, limit: int) -> int:

@@ -17,6 +17,15 @@ def test_largest_divisor() -> None:
     assert [largest_divisor(c, 32) for c in (16, 64, 48, 7, 96, 100)] == [16, 32, 24, 7, 32, 25]
 
 
+def test_group_count_keeps_enough_values_per_group() -> None:
+    from pipec.normalize import group_count
+
+    assert group_count(64, 32 * 32) == 32  # convolutional features: Wu & He's 32
+    assert group_count(64, 1) == 4  # (N, 64): 4 groups of 16 channels
+    assert group_count(12, 1) == 1  # (N, 12): fewer than 16 channels, one group
+    assert group_count(12, 5) == 3  # (N, 12, 5): groups of 4 channels × 5 = 20 values
+
+
 def test_pipelined_plan_rewrites_every_batch_norm(tmp_path: Path) -> None:
     compile_to(SAMPLES / "resnet.py", tmp_path / "o", gpus=2, batch_size=16)
     plan = json.loads((tmp_path / "o" / "plan.json").read_text())
@@ -154,3 +163,26 @@ def test_all_reduce_batch_norm_on_2_processes_equals_batch_norm(shape: tuple[int
     for r in ranks:
         torch.testing.assert_close(r["mean"], reference.running_mean)
         torch.testing.assert_close(r["var"], reference.running_var)
+
+
+def test_batch_norm_1d_and_3d_become_group_norms_that_match_the_definition(
+        tmp_path: Path) -> None:
+    from conftest import MODELS
+
+    compile_to(MODELS / "norms_1d_3d.py", tmp_path / "o", gpus=2, batch_size=8, norm="group")
+    rewrites = json.loads((tmp_path / "o" / "plan.json").read_text())["norm_rewrites"]
+    # (N, 12): one value per channel, so one group of all 12 (a group of one value would
+    # normalize to zero); (N, 12, 5): 3 groups of 4 × 5 = 20 values; (N, 8, 5, 2, 2): 8 groups.
+    assert [(r["module"], r["from"], r["groups"]) for r in rewrites] == [
+        ("bn_flat", "BatchNorm1d", 1), ("bn_seq", "BatchNorm1d", 3),
+        ("bn_vol", "BatchNorm3d", 8)]
+    with emitted_modules(tmp_path / "o") as (user, stages):
+        model = user.build_model()
+        stages.rewrite_norms(model)
+    for name, shape in (("bn_flat", (6, 12)), ("bn_seq", (6, 12, 5)), ("bn_vol", (6, 8, 5, 2, 2))):
+        layer = getattr(model, name)
+        assert isinstance(layer, torch.nn.GroupNorm)
+        x = torch.randn(shape)
+        expected = group_norm_by_definition(x, layer.num_groups, layer.weight, layer.bias,
+                                            layer.eps)
+        torch.testing.assert_close(layer(x), expected)
