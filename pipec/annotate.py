@@ -491,11 +491,6 @@ def _get_attr(gm: fx.GraphModule, target: str) -> Any:
     return value
 
 
-def _users_of_attr(n: fx.Node) -> list[fx.Node]:
-    """Compute nodes that read the value of a get_attr node (through its users)."""
-    return [u for u in n.users if u.op in COMPUTE_OPS]
-
-
 def _first_users(gm: fx.GraphModule, compute: list[fx.Node]
                  ) -> tuple[dict[str, tuple[torch.Tensor, ...]], dict[str, int]]:
     """Attribute each parameter and buffer to the first compute node that uses it."""
