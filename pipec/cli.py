@@ -67,8 +67,9 @@ def _add_compile(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument("--gpus", type=int, default=1, help="total devices (1)")
     p.add_argument("--nodes", type=int, default=1, help="machines the devices are spread over (1)")
     p.add_argument("--batch-size", type=int, default=32, help="global batch size (32)")
-    p.add_argument("--hardware", default=DEFAULT, help=f"device preset ({', '.join(PRESETS)}) "
-                   f"or a JSON file ({DEFAULT})")
+    p.add_argument("--hardware", default=DEFAULT, help=f"device preset ({', '.join(PRESETS)}), "
+                   "a JSON file, or an ordered list for mixed devices, e.g. "
+                   f"a100-80g:2,v100-32g:2 ({DEFAULT})")
     p.add_argument("--pp", type=_auto_or_int, default=None,
                    help="pipeline stages: auto (every K dividing --gpus is searched) or K; "
                    "data parallel = gpus / K")
@@ -76,6 +77,9 @@ def _add_compile(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
                    help="micro-batch size: auto (searched) or K")
     p.add_argument("--schedule", choices=("auto", *SCHEDULES), default="auto",
                    help="pipeline schedule (auto: the fastest that fits)")
+    p.add_argument("--virtual-stages", type=int, default=None,
+                   help="stages per device under --schedule interleaved (default: 2, 3 and 4 "
+                   "are searched)")
     p.add_argument("--norm", choices=NORM_CHOICES, default="auto",
                    help="BatchNorm handling (auto: GroupNorm when pipelined, SyncBatchNorm when "
                    "only data-parallel, unchanged on one device)")
@@ -162,10 +166,12 @@ def _run_compile(args: argparse.Namespace) -> int:
         batch_size=args.batch_size, hardware=args.hardware, pp=args.pp,
         micro_batch=args.micro_batch, schedule=args.schedule, norm=args.norm,
         norm_groups=args.norm_groups, optimizer=args.optimizer, precision=args.precision,
-        calibration=args.calibration, strategy=args.strategy, force=args.force)
+        calibration=args.calibration, strategy=args.strategy,
+        virtual_stages=args.virtual_stages, force=args.force)
     plan, emitted = compile_model(options)
-    print(f"pipec: wrote {emitted.out}/ ({', '.join(emitted.files)}): {plan.pp} stage(s) × "
-          f"{plan.dp} replica(s), micro-batch {plan.micro_batch}, {plan.schedule}, predicted "
+    print(f"pipec: wrote {emitted.out}/ ({', '.join(emitted.files)}): {len(plan.stages)} "
+          f"stage(s) on {plan.pp} pipeline device(s) × {plan.dp} replica(s), micro-batch "
+          f"{plan.micro_batch}, {plan.schedule}, predicted "
           f"{plan.samples_per_s:,.1f} samples/s")
     return 0
 

@@ -100,10 +100,17 @@ def boundary_s(cut_bytes: np.ndarray, device: Device, inter_node: bool) -> np.nd
     return np.where(cut_bytes > 0, 2 * (latency + cut_bytes / bandwidth), 0.0)
 
 
-def crosses_nodes(stage: int, num_stages: int, replicas: int, devices_per_node: int) -> bool:
-    """Whether stage → stage + 1 crosses a node in some replica (rank = replica · pp + stage)."""
-    return any((r * num_stages + stage) // devices_per_node
-               != (r * num_stages + stage + 1) // devices_per_node for r in range(replicas))
+def crosses_nodes(source: int, target: int, pp: int, replicas: int,
+                  devices_per_node: int) -> bool:
+    """Whether pipeline position ``source`` → ``target`` crosses a node in some replica
+    (rank = replica · pp + position)."""
+    return any((r * pp + source) // devices_per_node != (r * pp + target) // devices_per_node
+               for r in range(replicas))
+
+
+def spans_nodes(position: int, pp: int, replicas: int, devices_per_node: int) -> bool:
+    """Whether a position's data-parallel group has members on different nodes."""
+    return len({(r * pp + position) // devices_per_node for r in range(replicas)}) > 1
 
 
 def static_ratio(training: Training) -> float:
@@ -116,8 +123,11 @@ def usable_memory(device: Device) -> float:
     return device.memory_bytes * (1 - MEMORY_RESERVE)
 
 
-def allreduce_s(grad_bytes: float, replicas: int, device: Device) -> float:
-    """Ring all-reduce of the gradients over ``replicas`` devices: 2(d−1)/d · bytes / bandwidth."""
+def allreduce_s(grad_bytes: float, replicas: int, device: Device, inter_node: bool = False
+                ) -> float:
+    """Ring all-reduce of the gradients over ``replicas`` devices: 2(d−1)/d · bytes / bandwidth,
+    over the inter-node links when the group spans nodes."""
     if replicas == 1:
         return 0.0
-    return 2 * (replicas - 1) / replicas * grad_bytes / device.intra_node_bandwidth
+    bandwidth = device.inter_node_bandwidth if inter_node else device.intra_node_bandwidth
+    return 2 * (replicas - 1) / replicas * grad_bytes / bandwidth

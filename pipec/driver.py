@@ -11,7 +11,7 @@ from pipec.calibrate import load_calibration
 from pipec.costmodel import Training
 from pipec.emit import Emitted, emit
 from pipec.errors import ConfigError
-from pipec.hardware import DEFAULT, load_hardware
+from pipec.hardware import DEFAULT, Device, load_devices
 from pipec.loader import load_model_file
 from pipec.normalize import plan_norms
 from pipec.planner import Plan, PlanRequest, plan
@@ -38,6 +38,7 @@ class CompileOptions:
     precision: str = "fp32"
     calibration: Path | None = None
     strategy: str = "pipec"
+    virtual_stages: int | None = None
     force: bool = False
 
 
@@ -69,12 +70,23 @@ def _request(options: CompileOptions) -> PlanRequest:
         raise ConfigError(f"--pp {options.pp}: need at least 1 stage")
     if options.optimizer not in ("sgd", "adamw"):
         raise ConfigError(f"--optimizer {options.optimizer!r}: use sgd or adamw")
+    if options.virtual_stages is not None and options.virtual_stages < 2:
+        raise ConfigError(f"--virtual-stages {options.virtual_stages}: interleaving needs 2 or "
+                          "more stages per device")
     if options.precision not in ("fp32", "bf16"):
         raise ConfigError(f"--precision {options.precision!r}: use fp32 or bf16")
     return PlanRequest(
         gpus=options.gpus, nodes=options.nodes, global_batch=options.batch_size, pp=options.pp,
         micro_batch=options.micro_batch, schedule=options.schedule, hardware=options.hardware,
-        device=load_hardware(options.hardware),
+        devices=_devices(options),
         training=Training(options.optimizer, options.precision),
         calibration=load_calibration(options.calibration) if options.calibration else None,
-        strategy=options.strategy)
+        strategy=options.strategy, virtual_stages=options.virtual_stages)
+
+
+def _devices(options: CompileOptions) -> tuple[Device, ...]:
+    devices = load_devices(options.hardware, options.gpus)
+    if options.calibration is not None and len(set(devices)) > 1:
+        raise ConfigError("--calibration measures one kind of device, but --hardware "
+                          f"{options.hardware!r} lists several; drop one of the two")
+    return devices

@@ -37,8 +37,9 @@ from pipec.split import Boundary, Staged
 from pipec.trace import Traced
 
 MARKER = "plan.json"  # a directory holding this (and train.py) is a previous pipec output
-SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
-SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B"}
+SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
+                    "interleaved": "ScheduleInterleaved1F1B"}
+SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "interleaved 1F1B"}
 DEFAULT_LR = {"sgd": 0.01, "adamw": 0.001}
 assert set(SCHEDULE_CLASSES) == set(SCHEDULES)
 
@@ -95,16 +96,20 @@ def plan_dict(plan: Plan, norms: NormPlan, traced: Traced) -> dict[str, Any]:
             "fwd_flops": s.fwd_flops, "bwd_flops": s.bwd_flops,
             "activation_bytes": s.activation_bytes, "memory_bytes": s.memory_bytes,
             "time_s": s.time_s, "compute_s": s.compute_s, "boundary_bytes": s.boundary_bytes,
-            "nodes": [s.start, s.end],
+            "nodes": [s.start, s.end], "device": s.device,
         } for s in plan.stages],
         "predicted": {
             "iteration_s": plan.iteration_s, "samples_per_s": plan.samples_per_s,
             "bubble": plan.simulation.bubble,
-            "peak_memory_bytes": [s.memory_bytes for s in plan.stages],
+            "peak_memory_bytes": list(plan.device_memory_bytes),
         },
+        "virtual_stages": plan.virtual_stages,
+        "devices": [d.name for d in request.devices],
+        "search": {"evaluated": len(plan.candidates), "pruned": plan.pruned},
         "candidates": [{
             "micro_batch": c.micro_batch, "num_micro_batches": c.num_micro_batches,
             "schedule": c.schedule, "samples_per_s": c.samples_per_s, "pp": c.pp, "dp": c.dp,
+            "virtual_stages": c.virtual_stages,
             "peak_memory_bytes": c.peak_memory_bytes, "feasible": c.feasible,
         } for c in plan.candidates],
         "baselines": [{
@@ -137,6 +142,7 @@ def _context(spec: ModelSpec, traced: Traced, plan: Plan, norms: NormPlan) -> di
     request = plan.request
     return {
         "version": __version__, "model_file": spec.path.name, "pp": plan.pp, "dp": plan.dp,
+        "num_stages": len(plan.stages), "virtual_stages": plan.virtual_stages,
         "gpus": request.gpus, "nodes": request.nodes, "hardware": request.hardware,
         "global_batch": request.global_batch, "micro_batch": plan.micro_batch,
         "num_micro_batches": plan.num_micro_batches, "schedule": plan.schedule,
@@ -159,8 +165,7 @@ def _stage_context(plan: Plan, norms: NormPlan, staged: Staged) -> dict[str, Any
         "input_specs": _specs_literal(code.input_specs),
         "output_specs": _specs_literal(code.output_specs),
     } for code, stage in zip(staged.stages, plan.stages, strict=True)]
-    return {"stages": stages, "imports": staged.imports, "norm_rewrites": norms.rewrites,
-            "num_stages": plan.pp}
+    return {"stages": stages, "imports": staged.imports, "norm_rewrites": norms.rewrites}
 
 
 def _report_context(plan: Plan, norms: NormPlan) -> dict[str, Any]:
@@ -168,11 +173,11 @@ def _report_context(plan: Plan, norms: NormPlan) -> dict[str, Any]:
         "stage_table": stage_table(plan), "search_table": search_table(plan),
         "baseline_table": baseline_table(plan), "norm_table": norm_table(norms),
         "max_batch_table": max_batch_table(plan),
-        "num_candidates": len(plan.candidates),
+        "num_candidates": len(plan.candidates), "num_pruned": plan.pruned,
         "num_fitting": sum(c.feasible for c in plan.candidates),
         "max_batch_limit": f"{plan.max_batch_limit:,}",
-        "predicted_peak": _gib(max(s.memory_bytes for s in plan.stages)),
-        "device_memory": _gib(usable_memory(plan.request.device)),
+        "predicted_peak": _gib(max(plan.device_memory_bytes)),
+        "device_memory": _gib(min(usable_memory(d) for d in plan.request.devices)),
     }
 
 
@@ -201,7 +206,8 @@ def _gib(value: float) -> str:
 
 
 def _timeline_title(plan: Plan) -> str:
-    return (f"{SCHEDULE_NAMES[plan.schedule]}: {plan.pp} stages, {plan.num_micro_batches} "
+    return (f"{SCHEDULE_NAMES[plan.schedule]}: {len(plan.stages)} stages on {plan.pp} devices, "
+            f"{plan.num_micro_batches} "
             f"micro-batches of {plan.micro_batch}")
 
 

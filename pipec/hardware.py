@@ -71,6 +71,24 @@ def load_hardware(name: str) -> Device:
     return PRESETS[name]
 
 
+def load_devices(spec: str, gpus: int) -> tuple[Device, ...]:
+    """One device per rank. ``spec`` is one preset or file for every rank, or an ordered list
+    ``name:count,name:count`` (heterogeneous devices, ranks in order)."""
+    if "," not in spec and ":" not in spec:
+        return (load_hardware(spec),) * gpus
+    devices: list[Device] = []
+    for item in spec.split(","):
+        name, _, count = item.strip().partition(":")
+        if not count.isdigit() or int(count) < 1:
+            raise ConfigError(f"--hardware {spec!r}: {item!r} is not NAME:COUNT with a positive "
+                              "count; e.g. a100-80g:2,v100-32g:2")
+        devices += [load_hardware(name)] * int(count)
+    if len(devices) != gpus:
+        raise ConfigError(f"--hardware {spec!r} lists {len(devices)} devices but --gpus is "
+                          f"{gpus}; list one device per GPU")
+    return tuple(devices)
+
+
 def _from_json(path: Path) -> Device:
     try:
         data = json.loads(path.read_text())

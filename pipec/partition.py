@@ -3,8 +3,9 @@
 Pure numbers in, numbers out (numpy, no torch), so it can be checked against brute force.
 
 Legend: n nodes in topological order; a stage covers nodes [j, i) and is cut at j and i;
-``time[i] - time[j]`` is its compute time, ``cut_s[s, i]`` the cost of stage s sending its output
-(per stage, since the link to the next stage may be inter-node);
+``time[s, i] - time[s, j]`` is its compute time on stage s's device (devices may differ),
+``cut_s[s, i]`` the cost of stage s sending its output (per stage, since the link to the next
+stage may be inter-node);
 stage s holds its static bytes once and its activation bytes ``in_flight[s]`` times.
 """
 
@@ -20,7 +21,7 @@ import numpy as np
 class Problem:
     """Prefix sums (length n + 1) of per-node costs, the cuts allowed, and each stage's limits."""
 
-    time: np.ndarray
+    time: np.ndarray  # (num_stages, n + 1): a stage's time depends on the device it lands on
     cut_s: np.ndarray  # (num_stages, n + 1)
     static_bytes: np.ndarray
     activation_bytes: np.ndarray
@@ -30,7 +31,7 @@ class Problem:
 
     @property
     def num_nodes(self) -> int:
-        return len(self.time) - 1
+        return self.time.shape[1] - 1
 
     @property
     def num_stages(self) -> int:
@@ -48,17 +49,21 @@ def make_problem(costs: np.ndarray, static: np.ndarray, activation: np.ndarray,
                  in_flight: tuple[int, ...]) -> Problem:
     """Build a Problem from per-node arrays (length n) and per-cut arrays (length n + 1).
 
-    ``cut_s`` is one row for all stages or one row per stage.
+    ``costs`` and ``cut_s`` are one row for all stages or one row per stage.
     """
     def prefix(values: np.ndarray) -> np.ndarray:
-        return np.concatenate(([0.0], np.cumsum(values, dtype=float)))
-    cut = np.broadcast_to(np.asarray(cut_s, float), (len(capacity), len(costs) + 1))
-    return Problem(prefix(costs), cut, prefix(static), prefix(activation),
-                   np.asarray(legal, bool), capacity, in_flight)
+        values = np.asarray(values, float)
+        return np.concatenate((np.zeros((*values.shape[:-1], 1)),
+                               np.cumsum(values, axis=-1)), axis=-1)
+    n, stages = np.shape(costs)[-1], len(capacity)
+    time = np.broadcast_to(prefix(costs), (stages, n + 1))
+    cut = np.broadcast_to(np.asarray(cut_s, float), (stages, n + 1))
+    return Problem(time, cut, prefix(static), prefix(activation), np.asarray(legal, bool),
+                   capacity, in_flight)
 
 
 def stage_time(p: Problem, stage: int, start: int, end: int) -> float:
-    return float(p.time[end] - p.time[start] + p.cut_s[stage, end])
+    return float(p.time[stage, end] - p.time[stage, start] + p.cut_s[stage, end])
 
 
 def stage_memory(p: Problem, stage: int, start: int, end: int) -> float:
@@ -67,40 +72,60 @@ def stage_memory(p: Problem, stage: int, start: int, end: int) -> float:
 
 
 def solve(p: Problem) -> Partition | None:
-    """The partition minimizing the bottleneck, or None when no partition fits in memory."""
-    n, stages = p.num_nodes, p.num_stages
-    best = np.full((stages + 1, n + 1), np.inf)
-    choice = np.zeros((stages + 1, n + 1), dtype=int)
-    best[0, 0] = 0.0
-    for s in range(1, stages + 1):
-        for end in range(s, n + 1):
-            if p.legal[end]:
-                _relax(p, best, choice, s, end)
-    if not np.isfinite(best[stages, n]):
+    """The partition minimizing the bottleneck, or None when no partition fits in memory.
+
+    Only legal cuts can be boundaries, so the DP runs over them alone (the nodes between two
+    legal cuts always travel together), one stage at a time, all ends at once:
+    ``best[s][e] = min over b < e of max(best[s-1][b], time of stage s over [b, e))``.
+    """
+    cuts = np.flatnonzero(p.legal)
+    if cuts[0] != 0 or cuts[-1] != p.num_nodes:
+        raise ValueError("the first and the last position must be legal cuts")
+    grid = _Grid(p, cuts)
+    best = np.full(len(cuts), np.inf)
+    best[0] = 0.0
+    choices = []
+    for s in range(p.num_stages):
+        values = np.where(grid.allowed(s) & np.isfinite(best)[None, :],
+                          np.maximum(best[None, :], grid.time(s)), np.inf)
+        choice = np.argmin(values, axis=1)
+        best = values[np.arange(len(cuts)), choice]
+        choices.append(choice)
+    if not np.isfinite(best[-1]):
         return None
-    return Partition(_backtrack(choice, stages, n), float(best[stages, n]))
+    return Partition(_backtrack(choices, cuts), float(best[-1]))
 
 
-def _relax(p: Problem, best: np.ndarray, choice: np.ndarray, s: int, end: int) -> None:
-    """best[s, end] = min over start of max(best[s-1, start], time of stage s-1 = [start, end))."""
-    starts = np.arange(end)
-    time = p.time[end] - p.time[:end] + p.cut_s[s - 1, end]
-    memory = (p.static_bytes[end] - p.static_bytes[:end]
-              + p.in_flight[s - 1] * (p.activation_bytes[end] - p.activation_bytes[:end]))
-    ok = p.legal[:end] & (memory <= p.capacity[s - 1]) & np.isfinite(best[s - 1, :end])
-    if not ok.any():
-        return
-    values = np.where(ok, np.maximum(best[s - 1, :end], time), np.inf)
-    k = int(np.argmin(values))
-    best[s, end] = values[k]
-    choice[s, end] = starts[k]
+class _Grid:
+    """Stage costs for every (end, start) pair of legal cuts; rows are ends, columns starts."""
+
+    def __init__(self, p: Problem, cuts: np.ndarray) -> None:
+        self.p, self.cuts = p, cuts
+        self.before = np.tri(len(cuts), k=-1, dtype=bool)  # start < end: no empty stage
+        self.static = p.static_bytes[cuts][:, None] - p.static_bytes[cuts][None, :]
+        self.activation = p.activation_bytes[cuts][:, None] - p.activation_bytes[cuts][None, :]
+        self._allowed: dict[tuple[int, float], np.ndarray] = {}
+
+    def time(self, stage: int) -> np.ndarray:
+        t = self.p.time[stage, self.cuts]
+        return t[:, None] - t[None, :] + self.p.cut_s[stage, self.cuts][:, None]
+
+    def allowed(self, stage: int) -> np.ndarray:
+        """Spans that are not empty and fit the stage's memory (cached: stages often share it)."""
+        key = (self.p.in_flight[stage], self.p.capacity[stage])
+        if key not in self._allowed:
+            memory = self.static + key[0] * self.activation
+            self._allowed[key] = self.before & (memory <= key[1])
+        return self._allowed[key]
 
 
-def _backtrack(choice: np.ndarray, stages: int, n: int) -> tuple[int, ...]:
-    cuts = [n]
-    for s in range(stages, 0, -1):
-        cuts.append(int(choice[s, cuts[-1]]))
-    return tuple(reversed(cuts))
+def _backtrack(choices: list[np.ndarray], cuts: np.ndarray) -> tuple[int, ...]:
+    position = len(cuts) - 1
+    bounds = [position]
+    for choice in reversed(choices):
+        position = int(choice[position])
+        bounds.append(position)
+    return tuple(int(cuts[i]) for i in reversed(bounds))
 
 
 def brute_force(p: Problem) -> Partition | None:

@@ -15,10 +15,10 @@ TOP_CANDIDATES = 10
 
 
 def stage_table(plan: Plan) -> str:
-    rows = [(s.index, _modules(s.modules), f"{s.params:,}", f"{s.fwd_flops / 1e9:.3f}",
+    rows = [(s.index, s.device, _modules(s.modules), f"{s.params:,}", f"{s.fwd_flops / 1e9:.3f}",
              f"{s.activation_bytes / MIB:.2f}", f"{s.memory_bytes / MIB:.1f}",
              f"{s.time_s * 1e3:.3f}", f"{s.boundary_bytes / MIB:.3f}") for s in plan.stages]
-    headers = ("stage", "modules", "params", "fwd GFLOP / micro-batch", "activations MiB",
+    headers = ("stage", "device", "modules", "params", "fwd GFLOP / micro-batch", "activations MiB",
                "peak memory MiB", "time ms / micro-batch", "boundary MiB")
     return tabulate(rows, headers, tablefmt="github")
 
@@ -29,7 +29,8 @@ def search_table(plan: Plan) -> str:
     too_big = sorted((c for c in plan.candidates if not c.feasible),
                      key=lambda c: -c.samples_per_s)
     ranked = fits[:TOP_CANDIDATES] + too_big[:3]
-    rows = [(c.micro_batch, c.num_micro_batches, c.schedule, f"{c.pp}×{c.dp}",
+    rows = [(c.micro_batch, c.num_micro_batches, _schedule_label(c.schedule, c.virtual_stages),
+             f"{c.pp}×{c.dp}",
              f"{c.samples_per_s:,.1f}", f"{c.peak_memory_bytes / MIB:,.1f}",
              "yes" if c.feasible else "no") for c in ranked]
     headers = ("micro-batch", "micro-batches", "schedule", "pp×dp", "samples/s",
@@ -37,9 +38,13 @@ def search_table(plan: Plan) -> str:
     return tabulate(rows, headers, tablefmt="github")
 
 
+def _schedule_label(schedule: str, virtual_stages: int) -> str:
+    return f"{schedule} (v={virtual_stages})" if virtual_stages > 1 else schedule
+
+
 def baseline_table(plan: Plan) -> str:
-    rows = [("pipec", plan.micro_batch, plan.schedule, f"{plan.samples_per_s:,.1f}", "yes",
-             "1.00")]
+    rows = [("pipec", plan.micro_batch, _schedule_label(plan.schedule, plan.virtual_stages),
+             f"{plan.samples_per_s:,.1f}", "yes", "1.00")]
     rows += [(b.name, b.micro_batch, b.schedule, f"{b.samples_per_s:,.1f}",
               "yes" if b.feasible else "no", f"{plan.samples_per_s / b.samples_per_s:.2f}")
              for b in plan.baselines]
@@ -73,27 +78,29 @@ def _modules(names: tuple[str, ...], limit: int = 6) -> str:
 
 # Timeline geometry, in SVG user units.
 ROW_HEIGHT, ROW_GAP, LEFT, WIDTH, TOP = 28, 8, 70, 900, 24
-COLORS = {"F": "#4c78a8", "B": "#59a14f"}
+# Forward blue, backward green; under the interleaved schedule a device's later stages lighter.
+COLORS = {"F": ("#4c78a8", "#86b4d9"), "B": ("#59a14f", "#8cc97f")}
 
 
-def timeline_svg(simulation: Simulation, num_stages: int, title: str) -> str:
-    """One row per stage; a block per forward (blue) and backward (green); gaps are idle time."""
+def timeline_svg(simulation: Simulation, num_devices: int, title: str) -> str:
+    """One row per pipeline device; a block per forward and backward; gaps are idle time."""
     scale = WIDTH / simulation.iteration_s if simulation.iteration_s > 0 else 0.0
-    height = TOP + num_stages * (ROW_HEIGHT + ROW_GAP) + 24
+    height = TOP + num_devices * (ROW_HEIGHT + ROW_GAP) + 24
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{LEFT + WIDTH + 10}" '
              f'height="{height}" font-family="sans-serif" font-size="11">',
              f'<text x="{LEFT}" y="14">{escape(title)}</text>']
-    for s in range(num_stages):
-        y = TOP + s * (ROW_HEIGHT + ROW_GAP)
-        parts.append(f'<text x="4" y="{y + 18}">stage {s}</text>')
+    for d in range(num_devices):
+        y = TOP + d * (ROW_HEIGHT + ROW_GAP)
+        parts.append(f'<text x="4" y="{y + 18}">device {d}</text>')
         parts.append(f'<rect x="{LEFT}" y="{y}" width="{WIDTH}" height="{ROW_HEIGHT}" '
                      'fill="#eeeeee"/>')
     for a in simulation.actions:
         x, w = LEFT + a.start_s * scale, max((a.end_s - a.start_s) * scale, 0.5)
-        y = TOP + a.stage * (ROW_HEIGHT + ROW_GAP)
+        y = TOP + a.device * (ROW_HEIGHT + ROW_GAP)
+        shade = COLORS[a.kind][(a.stage // num_devices) % 2]
         parts.append(f'<rect x="{x:.2f}" y="{y}" width="{w:.2f}" height="{ROW_HEIGHT}" '
-                     f'fill="{COLORS[a.kind]}" stroke="white" stroke-width="0.5">'
-                     f'<title>{a.kind}{a.micro_batch}</title></rect>')
+                     f'fill="{shade}" stroke="white" stroke-width="0.5">'
+                     f'<title>stage {a.stage} {a.kind}{a.micro_batch}</title></rect>')
         if w > 14:
             parts.append(f'<text x="{x + w / 2:.2f}" y="{y + 18}" fill="white" '
                          f'text-anchor="middle">{a.kind}{a.micro_batch}</text>')

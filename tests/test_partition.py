@@ -16,7 +16,9 @@ def problems(draw: st.DrawFn) -> tuple:
     n = draw(st.integers(2, 12))
     stages = draw(st.integers(1, min(4, n)))
     floats = st.floats(0.0, 10.0, allow_nan=False)
-    costs = np.array(draw(st.lists(floats, min_size=n, max_size=n)))
+    # One time row for all stages (identical devices) or one per stage (mixed devices).
+    rows = draw(st.sampled_from((1, stages)))
+    costs = np.array([draw(st.lists(floats, min_size=n, max_size=n)) for _ in range(rows)])
     static = np.array(draw(st.lists(floats, min_size=n, max_size=n)))
     activation = np.array(draw(st.lists(floats, min_size=n, max_size=n)))
     cut_s = np.array([[0.0, *draw(st.lists(floats, min_size=n - 1, max_size=n - 1)), 0.0]
@@ -73,6 +75,16 @@ def test_memory_limit_moves_the_boundary() -> None:
                            np.ones(5, bool), (5.0, 10.0), (1, 1))
     result = solve(problem)
     assert result is not None and result.boundaries == (0, 1, 4)
+
+
+def test_a_slower_device_gets_less_work() -> None:
+    # Stage 1's device is three times slower: the balanced split gives it a quarter of the work.
+    n = 8
+    costs = np.stack([np.ones(n), np.full(n, 3.0)])
+    problem = make_problem(costs, np.zeros(n), np.zeros(n), np.zeros(n + 1), np.ones(n + 1, bool),
+                           (1.0, 1.0), (1, 1))
+    result = solve(problem)
+    assert result is not None and result.boundaries == (0, 6, 8) and result.bottleneck == 6.0
 
 
 def test_no_partition_fits() -> None:

@@ -86,12 +86,15 @@ def test_boundaries_between_nodes_cost_the_inter_node_link(tmp_path: Path) -> No
 
 
 def test_crosses_nodes() -> None:
-    from pipec.costmodel import crosses_nodes
+    from pipec.costmodel import crosses_nodes, spans_nodes
 
-    # 4 stages × 2 replicas on 2 nodes of 4: only stage 3 → 0 (not a boundary) crosses.
-    assert [crosses_nodes(s, 4, 2, 4) for s in range(3)] == [False, False, False]
-    # 8 stages on 2 nodes of 4: stage 3 → 4 crosses.
-    assert [crosses_nodes(s, 8, 1, 4) for s in range(7)] == [s == 3 for s in range(7)]
+    # 4 stages × 2 replicas on 2 nodes of 4: no boundary crosses; an interleaved wrap 3 → 0
+    # stays on the node too, and each data-parallel group spans both nodes.
+    assert [crosses_nodes(s, s + 1, 4, 2, 4) for s in range(3)] == [False, False, False]
+    assert not crosses_nodes(3, 0, 4, 2, 4) and spans_nodes(0, 4, 2, 4)
+    # 8 stages on 2 nodes of 4: stage 3 → 4 crosses; the interleaved wrap 7 → 0 too.
+    assert [crosses_nodes(s, s + 1, 8, 1, 4) for s in range(7)] == [s == 3 for s in range(7)]
+    assert crosses_nodes(7, 0, 8, 1, 4) and not spans_nodes(0, 8, 1, 4)
 
 
 def test_candidates_that_do_not_fit_are_reported_not_chosen(tmp_path: Path) -> None:

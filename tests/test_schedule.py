@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
+from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
 
 from pipec.schedule import action_order, in_flight, runs, simulate
 
@@ -31,11 +34,12 @@ def test_in_flight_micro_batches() -> None:
 
 
 def test_1f1b_order_is_warmup_steady_cooldown() -> None:
-    order = action_order("1f1b", 0, 3, 4)
+    order = [(kind, k) for kind, _, k in action_order("1f1b", 0, 3, 4)]
     assert order == [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("F", 3), ("B", 1), ("B", 2),
                      ("B", 3)]
-    assert action_order("1f1b", 2, 3, 4) == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2),
-                                             ("B", 2), ("F", 3), ("B", 3)]
+    order = [(kind, k) for kind, _, k in action_order("1f1b", 2, 3, 4)]
+    assert order == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2), ("F", 3),
+                     ("B", 3)]
 
 
 def test_every_action_runs_once_in_dependency_order() -> None:
@@ -51,3 +55,46 @@ def test_every_action_runs_once_in_dependency_order() -> None:
 
 def test_1f1b_needs_a_micro_batch_per_stage() -> None:
     assert runs("gpipe", 4, 2) and not runs("1f1b", 4, 2) and runs("1f1b", 4, 4)
+
+
+def _torch_order(device: int, pp: int, micro_batches: int, virtual: int) -> list[tuple]:
+    """torch's own action list for one rank, computed without a process group."""
+    rounds = max(1, micro_batches // pp)
+    fake = SimpleNamespace(n_local_stages=virtual, pp_group_size=pp, _n_microbatches=micro_batches,
+                           microbatches_per_round=micro_batches // rounds)
+    actions = ScheduleInterleaved1F1B._calculate_single_rank_operations(fake, device)  # type: ignore[arg-type]
+    return [("F" if a.computation_type.name == "FORWARD" else "B", a.stage_index,
+             a.microbatch_index) for a in actions if a is not None]
+
+
+@pytest.mark.parametrize(("pp", "micro_batches", "virtual"),
+                         [(2, 2, 2), (2, 4, 2), (4, 4, 2), (4, 8, 3), (3, 6, 2), (2, 8, 4)])
+def test_interleaved_order_is_torchs(pp: int, micro_batches: int, virtual: int) -> None:
+    for device in range(pp):
+        ours = action_order("interleaved", device, pp, micro_batches, virtual)
+        assert ours == _torch_order(device, pp, micro_batches, virtual)
+
+
+@pytest.mark.parametrize(("pp", "micro_batches", "virtual"), [(2, 4, 2), (4, 8, 2), (4, 4, 4)])
+def test_interleaved_bubble_shrinks_by_the_stages_per_device(pp: int, micro_batches: int,
+                                                             virtual: int) -> None:
+    # Each device's work t_f + t_b split into v equal stages: the bubble is (pp − 1) / (v·M)
+    # of the ideal time (Narayanan et al. 2021, section 2.2).
+    forward, backward = 1.0 / virtual, 2.0 / virtual
+    stages = pp * virtual
+    result = simulate("interleaved", [forward] * stages, [backward] * stages, micro_batches, pp)
+    ideal = micro_batches * 3.0
+    assert result.iteration_s == pytest.approx(ideal * (1 + (pp - 1) / (virtual * micro_batches)))
+    gpipe = simulate("gpipe", [3.0 / 2] * pp, [3.0] * pp, micro_batches)
+    assert result.bubble < gpipe.bubble
+    assert len(result.actions) == 2 * stages * micro_batches
+
+
+def test_interleaved_in_flight_and_when_it_runs() -> None:
+    # pp 2, v 2, M 4. Device 0 warms up with F0 F1 on stage 0, F0 F1 on stage 2, then runs
+    # stage 0's F2 and F3 before stage 0's first backward: 4 held. Device 1 warms up with F0 F1
+    # on stage 1, then stage 3 runs F-B pairs (1 held) before stage 1's F2 and first B (3 held).
+    assert in_flight("interleaved", 2, 4, 2) == (4, 3, 2, 1)
+    assert runs("interleaved", 2, 4, 2) and not runs("interleaved", 2, 3, 2)
+    assert not runs("interleaved", 1, 4, 2) and not runs("interleaved", 2, 4, 1)
+    assert not runs("1f1b", 2, 4, 2)

@@ -40,6 +40,25 @@ def test_losses_equal_on_1_2_and_4_stages(sample: str, tmp_path: Path) -> None:
                            reference)
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
+def test_every_schedule_equals_one_process(schedule: str, tmp_path: Path) -> None:
+    reference = train(SAMPLES / "gpt.py", tmp_path, "one", 1)
+    plan = compile_to(SAMPLES / "gpt.py", tmp_path / schedule, gpus=2, batch_size=16,
+                      micro_batch=4, schedule=schedule)
+    assert plan.schedule == schedule
+    assert len(plan.stages) == (4 if schedule == "interleaved" else 2)
+    assert_same_losses(run_forked(tmp_path / schedule, 2, "--steps", STEPS, "--seed", "3"),
+                       reference)
+
+
+def test_interleaved_with_data_parallel_equals_one_process(tmp_path: Path) -> None:
+    # Two stages per device, each wrapped in DistributedDataParallel over its replicas.
+    reference = train(SAMPLES / "mlp.py", tmp_path, "one", 1)
+    losses = train(SAMPLES / "mlp.py", tmp_path, "il", 4, pp=2, micro_batch=2,
+                   schedule="interleaved", virtual_stages=2)
+    assert_same_losses(losses, reference)
+
+
 def test_group_norm_resnet_equal_on_1_and_4_stages(tmp_path: Path) -> None:
     reference = train(SAMPLES / "resnet.py", tmp_path, "one", 1, norm="group")
     assert_same_losses(train(SAMPLES / "resnet.py", tmp_path, "pp4", 4), reference)
