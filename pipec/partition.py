@@ -31,7 +31,7 @@ class Problem:
 
     @property
     def num_nodes(self) -> int:
-        return self.time.shape[1] - 1
+        return int(self.time.shape[1]) - 1
 
     @property
     def num_stages(self) -> int:
@@ -77,46 +77,93 @@ def solve(p: Problem) -> Partition | None:
     Only legal cuts can be boundaries, so the DP runs over them alone (the nodes between two
     legal cuts always travel together), one stage at a time, all ends at once:
     ``best[s][e] = min over b < e of max(best[s-1][b], time of stage s over [b, e))``.
+    A feasible partition's bottleneck U bounds the optimum, so only spans no slower than U are
+    tried: for each end, a window of starts (span time grows as the start moves back).
     """
     cuts = np.flatnonzero(p.legal)
     if cuts[0] != 0 or cuts[-1] != p.num_nodes:
         raise ValueError("the first and the last position must be legal cuts")
-    grid = _Grid(p, cuts)
-    best = np.full(len(cuts), np.inf)
+    k, stages = len(cuts), p.num_stages
+    if stages > k - 1:
+        return None  # fewer legal spans than stages
+    grid = _Grid(p, cuts, _upper_bound(p, cuts))
+    best = np.full(k, np.inf)
     best[0] = 0.0
     choices = []
-    for s in range(p.num_stages):
-        values = np.where(grid.allowed(s) & np.isfinite(best)[None, :],
-                          np.maximum(best[None, :], grid.time(s)), np.inf)
-        choice = np.argmin(values, axis=1)
-        best = values[np.arange(len(cuts)), choice]
+    for s in range(stages):
+        # After s stages the cut sits at position ≥ s, and leaves a position for each stage
+        # still to come: only ends in that band can be on a partition.
+        ends = np.arange(s + 1, k - stages + s + 1)
+        starts, valid = grid.starts(s, ends)
+        previous = best[starts]
+        values = np.where(valid & grid.fits(s, ends, starts) & np.isfinite(previous),
+                          np.maximum(previous, grid.time(s, ends, starts)), np.inf)
+        local = np.argmin(values, axis=1)
+        rows = np.arange(len(ends))
+        best = np.full(k, np.inf)
+        best[ends] = values[rows, local]
+        choice = np.zeros(k, dtype=int)
+        choice[ends] = starts[rows, local]
         choices.append(choice)
     if not np.isfinite(best[-1]):
         return None
     return Partition(_backtrack(choices, cuts), float(best[-1]))
 
 
+def _upper_bound(p: Problem, cuts: np.ndarray) -> float:
+    """The bottleneck of a quick feasible partition (cuts nearest to equal shares of stage 0's
+    time), or infinity when it does not fit in memory."""
+    stages = p.num_stages
+    shares = p.time[0, cuts] / max(float(p.time[0, -1]), 1e-300) * stages
+    bounds = [0]
+    for s in range(1, stages):
+        # The cut nearest to s equal shares, leaving a position for each stage still to come.
+        low, high = bounds[-1] + 1, len(cuts) - 1 - (stages - s)
+        bounds.append(low + int(np.argmin(np.abs(shares[low:high + 1] - s))))
+    bounds.append(len(cuts) - 1)
+    spans = [(int(cuts[a]), int(cuts[b])) for a, b in itertools.pairwise(bounds)]
+    if any(stage_memory(p, s, a, b) > p.capacity[s] for s, (a, b) in enumerate(spans)):
+        return np.inf
+    return max(stage_time(p, s, a, b) for s, (a, b) in enumerate(spans))
+
+
 class _Grid:
-    """Stage costs for every (end, start) pair of legal cuts; rows are ends, columns starts."""
+    """Stage costs over (end, start) pairs of legal cuts, as (ends × window) arrays."""
 
-    def __init__(self, p: Problem, cuts: np.ndarray) -> None:
-        self.p, self.cuts = p, cuts
-        self.before = np.tri(len(cuts), k=-1, dtype=bool)  # start < end: no empty stage
-        self.static = p.static_bytes[cuts][:, None] - p.static_bytes[cuts][None, :]
-        self.activation = p.activation_bytes[cuts][:, None] - p.activation_bytes[cuts][None, :]
-        self._allowed: dict[tuple[int, float], np.ndarray] = {}
+    def __init__(self, p: Problem, cuts: np.ndarray, upper: float) -> None:
+        self.p, self.cuts, self.upper = p, cuts, upper
+        self.static, self.activation = p.static_bytes[cuts], p.activation_bytes[cuts]
 
-    def time(self, stage: int) -> np.ndarray:
+    def starts(self, stage: int, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per end, the starts to try (ascending, padded) and which of them are real: at least
+        position ``stage``, before the end, and no slower than the upper bound (with a margin
+        for rounding; a start too many is harmless)."""
         t = self.p.time[stage, self.cuts]
-        return t[:, None] - t[None, :] + self.p.cut_s[stage, self.cuts][:, None]
+        slack = self.upper * (1 + 1e-9) + 1e-300
+        need = t[ends] + self.p.cut_s[stage, self.cuts[ends]] - slack
+        reach = (np.searchsorted(t, need, side="left") if np.isfinite(slack)
+                 else np.zeros(len(ends), dtype=int))
+        first = np.maximum(reach, stage)
+        width = max(int((ends - first).max()), 1)
+        starts = ends[:, None] - width + np.arange(width)[None, :]
+        valid = (starts >= first[:, None]) & (starts < ends[:, None])
+        return np.maximum(starts, 0), valid
 
-    def allowed(self, stage: int) -> np.ndarray:
-        """Spans that are not empty and fit the stage's memory (cached: stages often share it)."""
-        key = (self.p.in_flight[stage], self.p.capacity[stage])
-        if key not in self._allowed:
-            memory = self.static + key[0] * self.activation
-            self._allowed[key] = self.before & (memory <= key[1])
-        return self._allowed[key]
+    def time(self, stage: int, ends: np.ndarray, starts: np.ndarray) -> np.ndarray:
+        t = self.p.time[stage, self.cuts]
+        span: np.ndarray = (t[ends][:, None] - t[starts]
+                            + self.p.cut_s[stage, self.cuts[ends]][:, None])
+        return span
+
+    def fits(self, stage: int, ends: np.ndarray, starts: np.ndarray) -> np.ndarray | bool:
+        capacity = self.p.capacity[stage]
+        if capacity == np.inf:
+            return True
+        memory = (self.static[ends][:, None] - self.static[starts]
+                  + self.p.in_flight[stage] * (self.activation[ends][:, None]
+                                               - self.activation[starts]))
+        fit: np.ndarray = memory <= capacity
+        return fit
 
 
 def _backtrack(choices: list[np.ndarray], cuts: np.ndarray) -> tuple[int, ...]:

@@ -33,7 +33,15 @@ from pipec.costmodel import (
 from pipec.errors import ConfigError, InfeasibleError
 from pipec.hardware import GIB, Device
 from pipec.partition import make_problem, solve
-from pipec.schedule import SCHEDULES, Simulation, in_flight, runs, simulate
+from pipec.schedule import (
+    SCHEDULES,
+    Simulation,
+    in_flight,
+    lower_bound_s,
+    runs,
+    simulate,
+    stage_lower_bound_s,
+)
 
 # Interleaved 1F1B: the stages per device searched when --virtual-stages is not given.
 VIRTUAL_STAGES = (2, 3, 4)
@@ -199,7 +207,8 @@ def plan(graph: CostGraph, request: PlanRequest) -> Plan:
     searched = _Layout(best.layout.pp, best.layout.dp)
     baselines = tuple(_baseline(costs, searched, name) for name in STRATEGIES[1:-1])
     baselines += (_baseline(costs, _Layout(*_pure_pipeline(costs)), "conventional"),)
-    chosen = _timed(costs, _adopt(best, baselines, request))
+    chosen = _timed(costs, replace(_adopt(best, baselines, request), simulation=None),
+                    timeline=True)
     assert chosen.simulation is not None
     limit = MAX_BATCH_FACTOR * request.global_batch
     layout = chosen.layout
@@ -293,8 +302,25 @@ class _Costs:
         if balance == "pipec":
             key += (flights,)
         if key not in self._bounds:
-            self._bounds[key] = _boundaries(self, point, flights, balance)
+            self._bounds[key] = (self._time_balance_if_it_fits(point, flights)
+                                 if balance == "pipec" else None)
+            if self._bounds[key] is None:
+                self._bounds[key] = _boundaries(self, point, flights, balance)
         return self._bounds[key]
+
+    def _time_balance_if_it_fits(self, point: _Point, flights: tuple[int, ...]
+                                 ) -> tuple[int, ...] | None:
+        """The unconstrained optimum, when it fits the memory: then it is also the constrained
+        optimum, and one DP serves every schedule of the point."""
+        bounds = self.boundaries(point, flights, "time")
+        assert bounds is not None
+        layout, sc = point.layout, self.stages(point.layout, point.micro_batch)
+        for k, (a, b) in enumerate(itertools.pairwise(bounds)):
+            memory = (sc.arrays.static_bytes[a:b].sum()
+                      + flights[k] * sc.arrays.activation_bytes[a:b].sum())
+            if memory > sc.capacity[k % layout.pp] / layout.virtual:
+                return None
+        return bounds
 
 
 def _boundaries(costs: _Costs, point: _Point, flights: tuple[int, ...], balance: str
@@ -430,13 +456,19 @@ def _search(costs: _Costs, points: list[_Point]
     evaluated: list[tuple[_Point, Candidate]] = []
     pruned = 0
     for i, point in enumerate(ordered):
-        # The bound and the simulation sum the same times in different orders: leave a margin.
+        # Bounds and simulations sum the same times in different orders: leave a margin.
         if best is not None and bounds[point] * (1 - 1e-9) > best.iteration_s:
-            pruned = len(ordered) - i
+            pruned += len(ordered) - i
             break
-        e = _evaluate(costs, point, "pipec")
-        evaluated.append((point, _candidate(costs, e or _unlimited(costs, point))))
-        if e is not None and (best is None or _rank(e) < _rank(best)):
+        fitting = _partition(costs, point, "pipec")
+        shown = fitting or _partition(costs, point, "time")
+        assert shown is not None  # without a memory limit every legal partition is allowed
+        if best is not None and _stage_bound_s(costs, shown) * (1 - 1e-9) > best.iteration_s:
+            pruned += 1
+            continue
+        e = _timed(costs, shown)
+        evaluated.append((point, _candidate(costs, e)))
+        if fitting is not None and (best is None or _rank(e) < _rank(best)):
             best = e
     evaluated.sort(key=lambda pc: _point_order(pc[0]))
     return best, tuple(c for _, c in evaluated), pruned
@@ -448,13 +480,14 @@ def _point_order(point: _Point) -> tuple[int, int, int, int]:
 
 
 def _lower_bound(costs: _Costs, point: _Point) -> float:
-    """No candidate is faster: some device does at least 1/pp of the work of the M
-    micro-batches (at the fastest device's speed), then the all-reduce of 1/pp of the gradients
-    over the fastest link."""
+    """No candidate is faster: the schedule's bound on the work at the fastest device's speed
+    (schedule.lower_bound_s), then the all-reduce of 1/pp of the gradients over the fastest
+    link."""
     layout = point.layout
     micro_batches = costs.request.global_batch // (layout.dp * point.micro_batch)
     fastest = max(costs.request.devices, key=lambda d: d.intra_node_bandwidth)
-    return (micro_batches * costs.fastest_work_s(point.micro_batch) / layout.pp
+    return (lower_bound_s(costs.fastest_work_s(point.micro_batch), layout.pp, micro_batches,
+                          layout.virtual)
             + allreduce_s(float(costs.param_bytes.sum()) / layout.pp, layout.dp, fastest))
 
 
@@ -489,18 +522,42 @@ def _partition(costs: _Costs, point: _Point, balance: str,
     return _Evaluated(point, boundaries, sc, memory, stage_memory, None, float("nan"))
 
 
-def _timed(costs: _Costs, e: _Evaluated, batch: int | None = None) -> _Evaluated:
+def _timed(costs: _Costs, e: _Evaluated, batch: int | None = None,
+           timeline: bool = False) -> _Evaluated:
     """The simulated iteration: the schedule, then each position's gradient all-reduce."""
-    if e.simulation is not None:
+    if e.simulation is not None and (e.simulation.actions or not timeline):
         return e
-    layout, sc = e.layout, e.costs
+    fwd, bwd = _stage_times(e)
+    micro_batches = _micro_batch_count(costs, e, batch)
+    simulation = simulate(e.schedule, fwd, bwd, micro_batches, e.layout.pp, timeline)
+    return replace(e, simulation=simulation, iteration_s=simulation.iteration_s + _sync_s(costs, e))
+
+
+def _stage_bound_s(costs: _Costs, e: _Evaluated) -> float:
+    """A lower bound on the iteration time from the stage times, without simulating."""
+    fwd, bwd = _stage_times(e)
+    return (stage_lower_bound_s(fwd, bwd, _micro_batch_count(costs, e), e.layout.pp)
+            + _sync_s(costs, e))
+
+
+def _stage_times(e: _Evaluated) -> tuple[list[float], list[float]]:
+    """Per stage, one micro-batch's forward and backward, each with half the boundary."""
+    sc = e.costs
     spans = list(itertools.pairwise(e.boundaries))
     fwd = [float(sc.fwd_s[k, a:b].sum() + sc.cut_s[k, b] / 2) for k, (a, b) in enumerate(spans)]
     bwd = [float(sc.bwd_s[k, a:b].sum() + sc.cut_s[k, b] / 2) for k, (a, b) in enumerate(spans)]
-    micro_batches = (batch or costs.request.global_batch) // (layout.dp * e.micro_batch)
-    simulation = simulate(e.schedule, fwd, bwd, micro_batches, layout.pp)
-    sync = max(_allreduce_s(costs, layout, p, spans[p::layout.pp]) for p in range(layout.pp))
-    return replace(e, simulation=simulation, iteration_s=simulation.iteration_s + sync)
+    return fwd, bwd
+
+
+def _micro_batch_count(costs: _Costs, e: _Evaluated, batch: int | None = None) -> int:
+    return (batch or costs.request.global_batch) // (e.layout.dp * e.micro_batch)
+
+
+def _sync_s(costs: _Costs, e: _Evaluated) -> float:
+    """The slowest position's gradient all-reduce (all positions run theirs at once)."""
+    spans = list(itertools.pairwise(e.boundaries))
+    pp = e.layout.pp
+    return max(_allreduce_s(costs, e.layout, p, spans[p::pp]) for p in range(pp))
 
 
 def _allreduce_s(costs: _Costs, layout: _Layout, position: int,

@@ -12,7 +12,12 @@ then alternates.
 
 from __future__ import annotations
 
+import collections
+import functools
+import itertools
 from dataclasses import dataclass
+
+import numpy as np
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
@@ -94,57 +99,126 @@ def _interleaved_order(device: int, pp: int, num_micro_batches: int, virtual: in
 def in_flight(schedule: str, pp: int, num_micro_batches: int, virtual: int = 1
               ) -> tuple[int, ...]:
     """Per stage, the most micro-batches whose forward ran and whose backward has not."""
-    peak = [0] * (pp * virtual)
+    if schedule == "gpipe":
+        return (num_micro_batches,) * pp
+    if schedule == "1f1b":
+        return tuple(min(pp - s, num_micro_batches) for s in range(pp))
+    return _interleaved_in_flight(pp, num_micro_batches, virtual)
+
+
+@functools.lru_cache(maxsize=256)
+def _interleaved_in_flight(pp: int, num_micro_batches: int, virtual: int) -> tuple[int, ...]:
+    """Counted over the events of _interleaved_order (vectorized: M·v can be large)."""
+    peaks = [0] * (pp * virtual)
+    total = virtual * num_micro_batches
     for device in range(pp):
-        held = [0] * (pp * virtual)
-        for kind, stage, _ in action_order(schedule, device, pp, num_micro_batches, virtual):
-            held[stage] += 1 if kind == "F" else -1
-            peak[stage] = max(peak[stage], held[stage])
-    return tuple(peak)
+        warmup = min((virtual - 1) * pp + 2 * (pp - device - 1), total)
+        ops = np.arange(total)
+        forward = (ops // pp) % virtual
+        backward = virtual - 1 - ((np.arange(warmup, total + warmup) - warmup) // pp) % virtual
+        # Events in order: warm-up forwards, then F(op) B(op) pairs, then cool-down backwards.
+        steady = np.stack([forward[warmup:], backward[:total - warmup] + virtual], axis=1)
+        events = np.concatenate([forward[:warmup], steady.ravel(),
+                                 backward[total - warmup:] + virtual])
+        for local in range(virtual):
+            held = np.cumsum((events == local).astype(int) - (events == local + virtual))
+            peaks[local * pp + device] = int(held.max())
+    return tuple(peaks)
+
+
+def lower_bound_s(work_s: float, pp: int, num_micro_batches: int, virtual: int = 1) -> float:
+    """No partition of ``work_s`` (one micro-batch's forward + backward over all stages) runs
+    faster under these schedules.
+
+    One micro-batch's forward and backward chain through every stage: at least ``work_s``; some
+    device does 1/pp of the M micro-batches' work. With one stage per device, stage s starts no
+    earlier than the forwards of the stages before it and ends no earlier than their backwards
+    after its own M: ``T ≥ P_s + M·t_s`` with P_s the work before s. The stage times that
+    minimize the largest of these make them all equal: t_s = (T/M)(1 − 1/M)^s, so
+    ``T ≥ W / (1 − (1 − 1/M)^pp)`` (on balanced stages the closed form is (M + pp − 1)·W/pp).
+    """
+    busiest = max(work_s, num_micro_batches * work_s / pp)
+    if virtual > 1:
+        return busiest
+    return max(busiest, work_s / (1 - (1 - 1 / num_micro_batches) ** pp))
+
+
+def stage_lower_bound_s(fwd_s: list[float], bwd_s: list[float], num_micro_batches: int,
+                        pp: int) -> float:
+    """A bound for known stage times, under any of the schedules: device d's first action is
+    stage d's first forward and its last is stage d's last backward, so it finishes no earlier
+    than ``P_d + M·T_d`` (P_d: the work of stages 0…d−1 of one micro-batch; T_d: the device's
+    work per micro-batch). On balanced stages it is the closed form of each schedule, e.g.
+    (vM + pp − 1)·W/(v·pp) for interleaved 1F1B."""
+    work = [f + b for f, b in zip(fwd_s, bwd_s, strict=True)]
+    before = itertools.accumulate(work[:pp - 1], initial=0.0)
+    return max(sum(work), *(p + num_micro_batches * sum(work[d::pp])
+                            for d, p in enumerate(before)))
 
 
 def simulate(schedule: str, fwd_s: list[float], bwd_s: list[float], num_micro_batches: int,
-             pp: int | None = None) -> Simulation:
+             pp: int | None = None, timeline: bool = True) -> Simulation:
     """Run the schedule on stages whose forward and backward take ``fwd_s[k]`` and ``bwd_s[k]``;
-    ``pp`` devices (default: one per stage) each run ``len(fwd_s) / pp`` stages."""
+    ``pp`` devices (default: one per stage) each run ``len(fwd_s) / pp`` stages. ``timeline``:
+    keep every action (for the picture), else only the figures."""
     stages = len(fwd_s)
     pp = pp or stages
-    virtual = stages // pp
-    orders = [action_order(schedule, d, pp, num_micro_batches, virtual) for d in range(pp)]
-    done: dict[tuple[str, int, int], float] = {}
+    structure = _structure(schedule, pp, num_micro_batches, stages // pp)
+    durations = {"F": fwd_s, "B": bwd_s}
+    end = [0.0] * (len(structure.steps) + 1)  # end[-1]: "needs nothing", ready at 0
     free = [0.0] * pp
-    position = [0] * pp
-    actions: list[Action] = []
-    while any(position[d] < len(orders[d]) for d in range(pp)):
-        progressed = False
-        for d in range(pp):
-            while position[d] < len(orders[d]):
-                kind, s, k = orders[d][position[d]]
-                ready = _ready(done, kind, s, k, stages)
-                if ready is None:
-                    break
-                start = max(free[d], ready)
-                end = start + (fwd_s[s] if kind == "F" else bwd_s[s])
-                done[(kind, s, k)] = free[d] = end
-                actions.append(Action(s, k, kind, start, end, d))
-                position[d] += 1
-                progressed = True
-        if not progressed:
-            raise RuntimeError(f"schedule {schedule} deadlocks")  # a bug in action_order
+    for i, (kind, stage, _, device, first, second) in enumerate(structure.steps):
+        end[i] = free[device] = max(free[device], end[first], end[second]) \
+            + durations[kind][stage]
     iteration = max(free)
     busy = num_micro_batches * (sum(fwd_s) + sum(bwd_s))
     bubble = 1 - busy / (pp * iteration) if iteration > 0 else 0.0
-    return Simulation(iteration, bubble, in_flight(schedule, pp, num_micro_batches, virtual),
-                      tuple(sorted(actions, key=lambda a: (a.device, a.start_s))), pp)
+    actions = tuple(sorted((Action(s, k, kind, end[i] - durations[kind][s], end[i], d)
+                            for i, (kind, s, k, d, _, _) in enumerate(structure.steps)),
+                           key=lambda a: (a.device, a.start_s))) if timeline else ()
+    return Simulation(iteration, bubble, in_flight(schedule, pp, num_micro_batches, stages // pp),
+                      actions, pp)
 
 
-def _ready(done: dict[tuple[str, int, int], float], kind: str, stage: int, k: int,
-           stages: int) -> float | None:
-    """When the inputs of an action are available, or None if they are not computed yet."""
-    if kind == "F":
-        return 0.0 if stage == 0 else done.get(("F", stage - 1, k))
-    own = done.get(("F", stage, k))
-    if stage == stages - 1 or own is None:
-        return own
-    upstream = done.get(("B", stage + 1, k))
-    return None if upstream is None else max(own, upstream)
+@dataclass(frozen=True)
+class _Structure:
+    """What a schedule's timing does not change: the actions in an order where each comes after
+    the two actions it may wait for (indices; -1: none)."""
+
+    steps: tuple[tuple[str, int, int, int, int, int], ...]  # kind, stage, mb, device, needs
+
+
+@functools.lru_cache(maxsize=64)
+def _structure(schedule: str, pp: int, num_micro_batches: int, virtual: int) -> _Structure:
+    """Each device runs its order; a device blocked on an action not yet placed waits for it.
+    Actions are numbered (stage · M + micro-batch) · 2 + (1 for a backward)."""
+    orders = [action_order(schedule, d, pp, num_micro_batches, virtual) for d in range(pp)]
+    stages, m = pp * virtual, num_micro_batches
+    placed = [-1] * (2 * stages * m)  # action number → its step, once placed
+    steps: list[tuple[str, int, int, int, int, int]] = []
+    position = [0] * pp
+    runnable = collections.deque(range(pp))
+    waiting: dict[int, list[int]] = {}
+    while runnable:
+        d = runnable.popleft()
+        order = orders[d]
+        while position[d] < len(order):
+            kind, s, k = order[position[d]]
+            if kind == "F":
+                first = -1 if s == 0 else ((s - 1) * m + k) * 2
+                second, number = -1, (s * m + k) * 2
+            else:
+                first = (s * m + k) * 2
+                second, number = (-1 if s == stages - 1 else ((s + 1) * m + k) * 2 + 1), first + 1
+            blocked = next((n for n in (first, second) if n >= 0 and placed[n] < 0), None)
+            if blocked is not None:
+                waiting.setdefault(blocked, []).append(d)
+                break
+            placed[number] = len(steps)
+            steps.append((kind, s, k, d, placed[first] if first >= 0 else -1,
+                          placed[second] if second >= 0 else -1))
+            position[d] += 1
+            runnable.extend(waiting.pop(number, ()))
+    if any(position[d] < len(orders[d]) for d in range(pp)):
+        raise RuntimeError(f"schedule {schedule} deadlocks")  # a bug in action_order
+    return _Structure(tuple(steps))

@@ -7,7 +7,17 @@ from types import SimpleNamespace
 import pytest
 from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
 
-from pipec.schedule import action_order, in_flight, runs, simulate
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipec.schedule import (
+    action_order,
+    in_flight,
+    lower_bound_s,
+    runs,
+    simulate,
+    stage_lower_bound_s,
+)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -90,6 +100,19 @@ def test_interleaved_bubble_shrinks_by_the_stages_per_device(pp: int, micro_batc
     assert len(result.actions) == 2 * stages * micro_batches
 
 
+@pytest.mark.parametrize(("pp", "micro_batches", "virtual"),
+                         [(2, 2, 2), (2, 4, 2), (4, 4, 2), (4, 8, 3), (3, 6, 2), (2, 8, 4)])
+def test_interleaved_in_flight_counts_the_order(pp: int, micro_batches: int,
+                                                virtual: int) -> None:
+    peaks = [0] * (pp * virtual)
+    for device in range(pp):
+        held = [0] * (pp * virtual)
+        for kind, stage, _ in action_order("interleaved", device, pp, micro_batches, virtual):
+            held[stage] += 1 if kind == "F" else -1
+            peaks[stage] = max(peaks[stage], held[stage])
+    assert in_flight("interleaved", pp, micro_batches, virtual) == tuple(peaks)
+
+
 def test_interleaved_in_flight_and_when_it_runs() -> None:
     # pp 2, v 2, M 4. Device 0 warms up with F0 F1 on stage 0, F0 F1 on stage 2, then runs
     # stage 0's F2 and F3 before stage 0's first backward: 4 held. Device 1 warms up with F0 F1
@@ -98,3 +121,47 @@ def test_interleaved_in_flight_and_when_it_runs() -> None:
     assert runs("interleaved", 2, 4, 2) and not runs("interleaved", 2, 3, 2)
     assert not runs("interleaved", 1, 4, 2) and not runs("interleaved", 2, 4, 1)
     assert not runs("1f1b", 2, 4, 2)
+
+
+@st.composite
+def pipelines(draw: st.DrawFn) -> tuple[str, int, int, list[float], list[float]]:
+    schedule = draw(st.sampled_from(["gpipe", "1f1b", "interleaved"]))
+    pp = draw(st.integers(2 if schedule == "interleaved" else 1, 5))
+    virtual = draw(st.integers(2, 3)) if schedule == "interleaved" else 1
+    if schedule == "interleaved":
+        micro_batches = pp * draw(st.integers(1, 3))
+    else:
+        micro_batches = draw(st.integers(pp if schedule == "1f1b" else 1, 9))
+    times = st.lists(st.floats(0.0, 5.0), min_size=pp * virtual, max_size=pp * virtual)
+    return schedule, pp, micro_batches, draw(times), draw(times)
+
+
+@settings(max_examples=200, deadline=None)
+@given(pipelines())
+def test_lower_bound_holds_for_any_stage_times(case: tuple) -> None:
+    # The planner prunes candidates with this bound: it must never exceed a simulated time.
+    schedule, pp, micro_batches, forward, backward = case
+    result = simulate(schedule, forward, backward, micro_batches, pp)
+    bound = lower_bound_s(sum(forward) + sum(backward), pp, micro_batches,
+                          len(forward) // pp)
+    assert bound <= result.iteration_s * (1 + 1e-9) + 1e-12
+    bound = stage_lower_bound_s(forward, backward, micro_batches, pp)
+    assert bound <= result.iteration_s * (1 + 1e-9) + 1e-12
+
+
+def test_lower_bound_is_close_on_balanced_stages() -> None:
+    # 8 balanced stages, 8 micro-batches: the closed form is 15/8 W, the bound 1/(1 − (7/8)^8) W.
+    assert lower_bound_s(1.0, 8, 8) == pytest.approx(1 / (1 - (7 / 8) ** 8))
+    assert simulate("gpipe", [0.5 / 8] * 8, [0.5 / 8] * 8, 8).iteration_s == pytest.approx(15 / 8)
+
+
+@pytest.mark.parametrize(("schedule", "pp", "micro_batches", "virtual"),
+                         [("gpipe", 4, 6, 1), ("1f1b", 4, 8, 1), ("interleaved", 4, 8, 2),
+                          ("interleaved", 2, 4, 3)])
+def test_stage_bound_is_the_closed_form_on_balanced_stages(schedule: str, pp: int,
+                                                           micro_batches: int,
+                                                           virtual: int) -> None:
+    stages = pp * virtual
+    forward, backward = [1.0 / stages] * stages, [2.0 / stages] * stages
+    simulated = simulate(schedule, forward, backward, micro_batches, pp).iteration_s
+    assert stage_lower_bound_s(forward, backward, micro_batches, pp) == pytest.approx(simulated)
