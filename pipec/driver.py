@@ -6,17 +6,17 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipec.annotate import MEASURED_BATCHES, annotate
+from pipec.annotate import MEASURED_BATCHES, CostGraph, annotate
 from pipec.calibrate import load_calibration
 from pipec.costmodel import Training
 from pipec.emit import Emitted, emit
 from pipec.errors import ConfigError
 from pipec.hardware import DEFAULT, Device, load_devices
-from pipec.loader import load_model_file
+from pipec.loader import ModelSpec, load_model_file
 from pipec.normalize import plan_norms
 from pipec.planner import Plan, PlanRequest, plan
 from pipec.split import split
-from pipec.trace import batch_inputs, trace_model
+from pipec.trace import Traced, batch_inputs, trace_model
 
 log = logging.getLogger(__name__)
 
@@ -42,12 +42,28 @@ class CompileOptions:
     force: bool = False
 
 
-def compile_model(options: CompileOptions) -> tuple[Plan, Emitted]:
+@dataclass(frozen=True)
+class Analyzed:
+    """What the passes before planning produce."""
+
+    spec: ModelSpec
+    traced: Traced
+    graph: CostGraph
+    request: PlanRequest
+
+
+def analyze(options: CompileOptions) -> Analyzed:
     request = _request(options)
     spec = load_model_file(options.model)
     traced = trace_model(spec)
     graph = annotate(traced, [batch_inputs(spec, size)[0] for size in MEASURED_BATCHES])
-    chosen = plan(graph, request)
+    return Analyzed(spec, traced, graph, request)
+
+
+def compile_model(options: CompileOptions) -> tuple[Plan, Emitted]:
+    analyzed = analyze(options)
+    spec, traced, graph = analyzed.spec, analyzed.traced, analyzed.graph
+    chosen = plan(graph, analyzed.request)
     norms = plan_norms(traced, graph, chosen.pp, chosen.dp, chosen.micro_batch, options.norm,
                        options.norm_groups)
     staged = split(traced, graph, chosen, spec.module.__name__)

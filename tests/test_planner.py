@@ -11,13 +11,13 @@ from conftest import SAMPLES, compile_to
 from pipec.errors import ConfigError, InfeasibleError
 
 
-def _small_device(tmp_path: Path, mebibytes: float) -> str:
-    path = tmp_path / f"small{mebibytes}.json"
-    path.write_text('{"name": "small", "fp32_flops": 1e12, "bf16_flops": 1e12, '
-                    f'"memory_bandwidth": 1e11, "memory_bytes": {int(mebibytes * 2**20)}, '
+def _small_device(tmp_path: Path, mebibytes: float, flops: float = 1e12) -> str:
+    path = tmp_path / f"small{mebibytes}-{flops:g}.json"
+    path.write_text(f'{{"name": "small", "fp32_flops": {flops}, "bf16_flops": {flops}, '
+                    f'"memory_bandwidth": 1e13, "memory_bytes": {int(mebibytes * 2**20)}, '
                     '"intra_node_bandwidth": 1e10, "inter_node_bandwidth": 1e9, '
                     '"intra_node_latency_s": 1e-6, "inter_node_latency_s": 1e-5, '
-                    '"kernel_overhead_s": 1e-5, "efficiency": 0.5}')
+                    '"kernel_overhead_s": 1e-7, "efficiency": 0.5}')
     return str(path)
 
 
@@ -223,3 +223,68 @@ def test_conventional_max_batch_steps_by_its_own_micro_batch_count(tmp_path: Pat
                       schedule="gpipe", hardware=_small_device(tmp_path, 24))
     conventional = plan.max_batch[-1]
     assert conventional.batch > 0 and conventional.batch % 16 == 0
+
+
+def test_device_lists_give_one_device_per_rank() -> None:
+    from pipec.hardware import PRESETS, load_devices
+
+    devices = load_devices("a100-80g:2,v100-32g:2", 4)
+    assert devices == (PRESETS["a100-80g"],) * 2 + (PRESETS["v100-32g"],) * 2
+    assert load_devices("h100-80g", 3) == (PRESETS["h100-80g"],) * 3
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ("a100-80g:2,v100-32g:1", "lists 3 devices but --gpus is 4"),
+    ("a100-80g:two,v100-32g:2", "is not NAME:COUNT"),
+    ("a100-80g:0,v100-32g:4", "is not NAME:COUNT"),
+    ("a100-80g:2,b200:2", "unknown hardware 'b200'"),
+])
+def test_bad_device_lists(tmp_path: Path, spec: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        compile_to(SAMPLES / "mlp.py", tmp_path / "o", gpus=4, hardware=spec)
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_slower_device_gets_less_work(tmp_path: Path) -> None:
+    fast, slow = _small_device(tmp_path, 1024, 1e12), _small_device(tmp_path, 1024, 2.5e11)
+    plans = [compile_to(SAMPLES / "gpt.py", tmp_path / name, gpus=2, batch_size=16,
+                        hardware=spec, micro_batch=4, schedule="1f1b")
+             for name, spec in (("fs", f"{fast}:1,{slow}:1"), ("sf", f"{slow}:1,{fast}:1"))]
+    fast_first, slow_first = (p.stages for p in plans)
+    # The slow device's stage has the fewer FLOPs, whichever position it takes; the DP balances
+    # time, so the two stages' times stay close.
+    assert fast_first[1].fwd_flops < fast_first[0].fwd_flops
+    assert slow_first[0].fwd_flops < slow_first[1].fwd_flops
+    for stages in (fast_first, slow_first):
+        assert max(s.compute_s for s in stages) < 1.6 * min(s.compute_s for s in stages)
+    plan = json.loads((tmp_path / "fs" / "plan.json").read_text())
+    assert plan["devices"] == ["small", "small"] and plan["hardware"] == f"{fast}:1,{slow}:1"
+
+
+def test_a_smaller_device_gets_a_stage_that_fits(tmp_path: Path) -> None:
+    # On two 64 MiB devices the time-balanced split puts more than 0.9 MiB on device 0; next to
+    # a 1 MiB device (0.9 usable) the split moves so that device 0's stage fits.
+    small, large = _small_device(tmp_path, 1), _small_device(tmp_path, 64)
+    usable = 2**20 * 0.9
+    even = compile_to(SAMPLES / "gpt.py", tmp_path / "even", gpus=2, batch_size=16,
+                      hardware=f"{large}:2", micro_batch=4, schedule="1f1b")
+    mixed = compile_to(SAMPLES / "gpt.py", tmp_path / "mixed", gpus=2, batch_size=16,
+                       hardware=f"{small}:1,{large}:1", micro_batch=4, schedule="1f1b")
+    assert even.device_memory_bytes[0] > usable >= mixed.device_memory_bytes[0]
+    assert mixed.stages[0].end < even.stages[0].end
+
+
+def test_imbalanced_sample_splits_time_where_baselines_split_layers_or_weights(
+        tmp_path: Path) -> None:
+    # samples/imbalanced.py: compute in the convolutions, weights in one wide layer, layers in a
+    # stack of small ones. Only a time balance spreads the compute over both devices.
+    plans = {strategy: compile_to(SAMPLES / "imbalanced.py", tmp_path / strategy, gpus=2,
+                                  batch_size=32, micro_batch=8, schedule="1f1b",
+                                  strategy=strategy)
+             for strategy in ("pipec", "uniform", "parameters")}
+    def spread(strategy: str) -> float:
+        flops = [s.fwd_flops for s in plans[strategy].stages]
+        return max(flops) / min(flops)
+    assert spread("pipec") < 2 < 10 < min(spread("uniform"), spread("parameters"))
+    assert all(plans["pipec"].samples_per_s > 1.3 * plans[s].samples_per_s
+               for s in ("uniform", "parameters"))

@@ -5,10 +5,9 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
-
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
 
 from pipec.schedule import (
     action_order,
