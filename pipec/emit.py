@@ -7,6 +7,7 @@ timestamps, no absolute paths, sorted JSON keys.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -154,6 +155,8 @@ def _context(spec: ModelSpec, traced: Traced, plan: Plan, norms: NormPlan) -> di
         "predicted_throughput": f"{plan.samples_per_s:,.1f}",
         "predicted_bubble": f"{plan.simulation.bubble:.1%}",
         "run_commands": run_commands(plan), "norm_choice": norms.choice,
+        "plan_id": hashlib.sha256(json.dumps(plan_dict(plan, norms, traced),
+                                             sort_keys=True).encode()).hexdigest()[:16],
     }
 
 

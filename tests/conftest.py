@@ -92,6 +92,11 @@ def _worker(rank: int, out: str, world_size: int, port: int, args: list[str], lo
 
 def run_forked(out: Path, world_size: int, *args: str, logs: Path | None = None) -> list[float]:
     """Run ``out/train.py`` on ``world_size`` forked ranks; the printed per-step losses."""
+    return losses_of(run_forked_text(out, world_size, *args, logs=logs))
+
+
+def run_forked_text(out: Path, world_size: int, *args: str, logs: Path | None = None) -> str:
+    """Run ``out/train.py`` on ``world_size`` forked ranks; what the ranks printed."""
     logs = logs or out.parent / f"{out.name}-logs-{world_size}"
     logs.mkdir(parents=True, exist_ok=True)
     try:
@@ -101,7 +106,7 @@ def run_forked(out: Path, world_size: int, *args: str, logs: Path | None = None)
     except mp.ProcessRaisedException as exc:
         text = "\n".join(p.read_text() for p in sorted(logs.glob("rank*.log")))
         pytest.fail(f"emitted script failed:\n{text[-3000:]}\n{exc}")
-    return losses_of("".join(p.read_text() for p in sorted(logs.glob("rank*.log"))))
+    return "".join(p.read_text() for p in sorted(logs.glob("rank*.log")))
 
 
 def losses_of(text: str) -> list[float]:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import MODELS, SAMPLES, compile_to, losses_of, run_forked
+from conftest import MODELS, SAMPLES, compile_to, free_port, losses_of, run_forked
 
 STEPS = "4"
 TORCHRUN = Path(sys.executable).with_name("torchrun")
@@ -108,6 +108,27 @@ def test_torchrun_2_and_4_processes_equal_one(tmp_path: Path) -> None:
                              "train.py", "--steps", STEPS], tmp_path / f"g{gpus}")
         assert_same_losses(losses_of(output), reference)
         assert "samples/s" in output.splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_two_torchrun_agents_on_loopback_equal_one_process(tmp_path: Path) -> None:
+    """Multi-node as the script's header says: two agents, one per "node", meeting at a c10d
+    rendezvous; pp 2 × dp 2 over 2 nodes of 2 processes each."""
+    compile_to(SAMPLES / "mlp.py", tmp_path / "one", gpus=1, batch_size=16)
+    compile_to(SAMPLES / "mlp.py", tmp_path / "two", gpus=4, nodes=2, pp=2, batch_size=16)
+    header = (tmp_path / "two" / "train.py").read_text()
+    assert "torchrun --nnodes 2 --nproc_per_node 2 --rdzv-backend c10d" in header
+    reference = losses_of(run_script([sys.executable, "train.py", "--steps", STEPS],
+                                     tmp_path / "one"))
+    command = [str(TORCHRUN), "--nnodes", "2", "--nproc_per_node", "2", "--rdzv-backend",
+               "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id",
+               tmp_path.name, "train.py", "--steps", STEPS]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    agents = [subprocess.Popen(command, cwd=tmp_path / "two", env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    outputs = [agent.communicate(timeout=300)[0] for agent in agents]
+    assert [agent.returncode for agent in agents] == [0, 0], "\n".join(outputs)[-3000:]
+    assert_same_losses(losses_of("".join(outputs)), reference)
 
 
 def test_non_contiguous_values_and_gradients_cross_every_cut(tmp_path: Path) -> None:

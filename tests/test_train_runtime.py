@@ -1,0 +1,119 @@
+"""The emitted script's training features: checkpoints and exact resume, the learning-rate
+schedule, global gradient clipping, stopping on a non-finite loss, sharded real data."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import MODELS, SAMPLES, STEP_LINE, compile_to, run_forked, run_forked_text
+
+
+def steps_of(text: str) -> dict[int, float]:
+    return {int(k): float(v) for k, v in STEP_LINE.findall(text)}
+
+
+def column(text: str, name: str) -> list[float]:
+    """The values of ``name`` on each step line, in order."""
+    lines = [line.split() for line in text.splitlines() if line.startswith("step ")]
+    return [float(words[words.index(name) + 1]) for words in lines]
+
+
+def test_resume_reproduces_an_uninterrupted_run(tmp_path: Path) -> None:
+    compile_to(MODELS / "dropout_mlp.py", tmp_path / "o", gpus=2, batch_size=16,
+               optimizer="adamw")
+    schedule = ("--warmup-steps", "2", "--cosine", "--seed", "5")
+    whole = steps_of(run_forked_text(tmp_path / "o", 2, "--steps", "6", *schedule,
+                                     logs=tmp_path / "whole"))
+    first = steps_of(run_forked_text(tmp_path / "o", 2, "--steps", "3", *schedule,
+                                     "--checkpoint-dir", str(tmp_path / "ck"),
+                                     logs=tmp_path / "first"))
+    # A killed later save: a folder without its COMPLETE marker, a half-written file.
+    (tmp_path / "ck" / "step_00000004").mkdir()
+    (tmp_path / "ck" / "step_00000004" / "rank_0.pt").write_bytes(b"\x80half")
+    rest = steps_of(run_forked_text(tmp_path / "o", 2, "--steps", "6", *schedule,
+                                    "--checkpoint-dir", str(tmp_path / "ck"), "--resume",
+                                    logs=tmp_path / "rest"))
+    assert sorted(first) == [1, 2, 3] and sorted(rest) == [4, 5, 6]
+    assert {**first, **rest} == whole  # exactly: weights, optimizer, schedule, dropout RNG
+    saved = sorted(p.name for p in (tmp_path / "ck").iterdir())
+    assert saved == ["step_00000003", "step_00000004", "step_00000006"]
+    assert sorted(p.name for p in (tmp_path / "ck" / "step_00000006").iterdir()) == [
+        "COMPLETE", "rank_0.pt", "rank_1.pt"]
+
+
+def test_resume_refuses_another_plans_checkpoint(tmp_path: Path) -> None:
+    compile_to(MODELS / "dropout_mlp.py", tmp_path / "two", gpus=2, batch_size=16)
+    compile_to(MODELS / "dropout_mlp.py", tmp_path / "one", gpus=1, batch_size=16)
+    run_forked(tmp_path / "two", 2, "--steps", "2", "--checkpoint-dir", str(tmp_path / "ck"))
+    result = run_script(tmp_path / "one", "--steps", "3", "--checkpoint-dir",
+                        str(tmp_path / "ck"), "--resume")
+    assert result.returncode != 0 and "written by another plan" in result.stderr
+
+
+def test_checkpoints_keep_the_newest(tmp_path: Path) -> None:
+    compile_to(SAMPLES / "mlp.py", tmp_path / "o", gpus=1, batch_size=16)
+    run_forked(tmp_path / "o", 1, "--steps", "7", "--checkpoint-dir", str(tmp_path / "ck"),
+               "--checkpoint-every", "2", "--keep-checkpoints", "2")
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step_00000006",
+                                                                     "step_00000007"]
+    state = torch.load(tmp_path / "ck" / "step_00000007" / "rank_0.pt", weights_only=True)
+    assert state["step"] == 7 and len(state["modules"]) == 1
+
+
+def test_warmup_then_cosine_learning_rate(tmp_path: Path) -> None:
+    compile_to(SAMPLES / "mlp.py", tmp_path / "o", gpus=1, batch_size=16)
+    text = run_forked_text(tmp_path / "o", 1, "--steps", "6", "--lr", "0.1", "--warmup-steps",
+                           "2", "--cosine")
+    expected = [0.05, 0.1] + [0.05 * (1 + math.cos(math.pi * k / 4)) for k in range(4)]
+    assert column(text, "lr") == pytest.approx(expected, rel=1e-2)
+
+
+def test_clipping_uses_the_global_norm_over_all_stages(tmp_path: Path) -> None:
+    for name, gpus in (("one", 1), ("pp2", 2)):
+        compile_to(SAMPLES / "gpt.py", tmp_path / name, gpus=gpus, batch_size=16)
+    clip = ("--steps", "4", "--clip-norm", "0.2", "--lr", "0.5")
+    one = run_forked_text(tmp_path / "one", 1, *clip)
+    piped = run_forked_text(tmp_path / "pp2", 2, *clip)
+    # The pipeline sees the norm of the whole model's gradient, as one process does: per-stage
+    # norms would be smaller and clip less.
+    assert column(piped, "grad_norm") == pytest.approx(column(one, "grad_norm"), rel=1e-4)
+    assert column(one, "grad_norm")[0] > 0.2
+    assert column(piped, "loss") == pytest.approx(column(one, "loss"), rel=1e-4)
+    unclipped = run_forked(tmp_path / "one", 1, "--steps", "4", "--lr", "0.5")
+    assert unclipped[-1] != column(one, "loss")[-1]  # clipping changed the updates
+
+
+def test_a_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path: Path) -> None:
+    compile_to(SAMPLES / "mlp.py", tmp_path / "o", gpus=1, batch_size=16)
+    result = run_script(tmp_path / "o", "--steps", "30", "--lr", "1e6", "--checkpoint-dir",
+                        str(tmp_path / "ck"), "--checkpoint-every", "1")
+    assert result.returncode == 1, result.stdout + result.stderr
+    bad = [line for line in result.stdout.splitlines() if "not finite" in line]
+    assert len(bad) == 1 and "Traceback" not in result.stderr
+    stopped = int(bad[0].split()[1])
+    newest = sorted((tmp_path / "ck").iterdir())[-1]
+    assert newest.name == f"step_{stopped - 1:08d}"
+    state = torch.load(newest / "rank_0.pt", weights_only=True)
+    assert all(torch.isfinite(t).all() for t in state["modules"][0].values())
+
+
+def test_data_parallel_shards_a_real_dataset_like_one_process(tmp_path: Path) -> None:
+    compile_to(MODELS / "digits_mlp.py", tmp_path / "one", gpus=1, batch_size=64)
+    compile_to(MODELS / "digits_mlp.py", tmp_path / "dp2", gpus=2, pp=1, batch_size=64)
+    # 1797 images, 28 steps per epoch: step 30 is in the second, reshuffled epoch.
+    reference = run_forked(tmp_path / "one", 1, "--steps", "30")
+    sharded = run_forked(tmp_path / "dp2", 2, "--steps", "30")
+    assert sharded == pytest.approx(reference, rel=1e-4)
+
+
+def run_script(out: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "train.py", *args], cwd=out, env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
