@@ -14,6 +14,8 @@ from pathlib import Path
 
 from pipec import __version__
 from pipec.calibrate import load_calibration, profile_model, save_calibration
+from pipec.compare import compare
+from pipec.compare import render as render_comparison
 from pipec.costmodel import Fit, Training
 from pipec.driver import CompileOptions, compile_model
 from pipec.errors import ConfigError, PipecError
@@ -45,6 +47,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_compile(commands)
     _add_inspect(commands)
     _add_profile(commands)
+    _add_compare(commands)
     return parser
 
 
@@ -113,6 +116,20 @@ def _add_inspect(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
                    help="compute times measured by pipec profile (JSON)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(run=_run_inspect)
+
+
+def _add_compare(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = commands.add_parser("compare", help="predicted against measured, stage by stage",
+                            description="Compare a compiled plan (OUT/plan.json) with the metrics "
+                            "its train.py wrote (--metrics FILE) and say which assumption is off.")
+    p.add_argument("out", type=Path, help="the pipec compile output directory")
+    p.add_argument("metrics", type=Path, help="the JSON file train.py --metrics wrote")
+    p.set_defaults(run=_run_compare)
+
+
+def _run_compare(args: argparse.Namespace) -> int:
+    print(render_comparison(compare(args.out, args.metrics)), end="")
+    return 0
 
 
 def _add_profile(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -97,7 +97,7 @@ def plan_dict(plan: Plan, norms: NormPlan, traced: Traced) -> dict[str, Any]:
             "fwd_flops": s.fwd_flops, "bwd_flops": s.bwd_flops,
             "activation_bytes": s.activation_bytes, "memory_bytes": s.memory_bytes,
             "time_s": s.time_s, "compute_s": s.compute_s, "boundary_bytes": s.boundary_bytes,
-            "nodes": [s.start, s.end], "device": s.device,
+            "nodes": [s.start, s.end], "device": s.device, "fwd_s": s.fwd_s, "bwd_s": s.bwd_s,
         } for s in plan.stages],
         "predicted": {
             "iteration_s": plan.iteration_s, "samples_per_s": plan.samples_per_s,
@@ -130,6 +130,12 @@ def plan_dict(plan: Plan, norms: NormPlan, traced: Traced) -> dict[str, Any]:
     }
 
 
+def plan_id(plan_json: dict[str, Any]) -> str:
+    """A short hash of plan.json's content: the emitted script's PLAN_ID, which checkpoints and
+    metrics carry so that they are never matched to another plan."""
+    return hashlib.sha256(json.dumps(plan_json, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def run_commands(plan: Plan) -> tuple[str, ...]:
     gpus, nodes = plan.request.gpus, plan.request.nodes
     if nodes == 1:
@@ -155,8 +161,7 @@ def _context(spec: ModelSpec, traced: Traced, plan: Plan, norms: NormPlan) -> di
         "predicted_throughput": f"{plan.samples_per_s:,.1f}",
         "predicted_bubble": f"{plan.simulation.bubble:.1%}",
         "run_commands": run_commands(plan), "norm_choice": norms.choice,
-        "plan_id": hashlib.sha256(json.dumps(plan_dict(plan, norms, traced),
-                                             sort_keys=True).encode()).hexdigest()[:16],
+        "plan_id": plan_id(plan_dict(plan, norms, traced)),
     }
 
 

@@ -27,3 +27,7 @@ class InfeasibleError(PipecError):
 
 class OutputError(PipecError):
     """The output directory cannot be written safely."""
+
+
+class MetricsError(PipecError):
+    """A metrics file that is missing, malformed, or from another plan."""

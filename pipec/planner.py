@@ -78,6 +78,8 @@ class StagePlan:
     compute_s: float  # forward + backward alone, one micro-batch
     boundary_bytes: float  # sent to the next stage, one micro-batch
     device: int = 0  # pipeline position (rank mod pp) that runs it
+    fwd_s: float = 0.0  # forward compute alone, one micro-batch
+    bwd_s: float = 0.0  # backward compute alone, one micro-batch
 
 
 @dataclass(frozen=True)
@@ -654,6 +656,8 @@ def _stage_plan(costs: _Costs, e: _Evaluated, k: int, a: int, b: int) -> StagePl
         compute_s=compute,
         boundary_bytes=0.0 if b == len(costs.graph.nodes) else costs.graph.cut_bytes[b].at(m),
         device=k % e.layout.pp,
+        fwd_s=float(sc.fwd_s[k, a:b].sum()),
+        bwd_s=float(sc.bwd_s[k, a:b].sum()),
     )
 
 

@@ -1,0 +1,147 @@
+"""`pipec compare OUT METRICS`: the plan's predictions against a run's measured metrics, stage by
+stage, and which assumption of the cost model is off."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tabulate import tabulate
+
+from pipec.emit import plan_id
+from pipec.errors import MetricsError
+
+# A prediction within this factor of the measurement is taken as holding.
+TOLERANCE = 1.25
+# Stages whose measured-to-predicted ratios differ by more than this factor are misbalanced.
+SPREAD = 1.3
+# Measured idle time above the predicted bubble by more than this fraction of the step.
+EXTRA_IDLE = 0.10
+
+
+@dataclass(frozen=True)
+class StageComparison:
+    index: int
+    device: int
+    predicted_fwd_s: float
+    measured_fwd_s: float
+    predicted_bwd_s: float
+    measured_bwd_s: float
+
+    @property
+    def ratio(self) -> float:
+        """Measured ÷ predicted compute (forward + backward) per micro-batch."""
+        return (self.measured_fwd_s + self.measured_bwd_s) / max(
+            self.predicted_fwd_s + self.predicted_bwd_s, 1e-12)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    stages: tuple[StageComparison, ...]
+    predicted_step_s: float
+    measured_step_s: float
+    predicted_bubble: float  # fraction of the step
+    measured_idle: float  # fraction of the step, mean over ranks
+    predicted_memory: tuple[float, ...]  # per pipeline device
+    measured_memory: tuple[float | None, ...]  # per pipeline device, the largest over replicas
+    device_type: str
+    findings: tuple[str, ...]
+
+
+def compare(out: Path, metrics_path: Path) -> Comparison:
+    plan, metrics = _read(out / "plan.json"), _read(metrics_path)
+    if metrics.get("plan") != plan_id(plan):
+        raise MetricsError(f"{metrics_path} was measured on another plan than {out}/plan.json; "
+                           f"run {out}/train.py --metrics FILE and compare that file")
+    try:
+        return _compare(plan, metrics)
+    except (KeyError, TypeError, IndexError, ZeroDivisionError) as exc:
+        raise MetricsError(f"{metrics_path} is not a complete metrics file ({exc!r}); "
+                           "write it again with train.py --metrics") from None
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except OSError as exc:
+        raise MetricsError(f"cannot read {path}: {exc.strerror}") from None
+    except ValueError as exc:
+        raise MetricsError(f"{path} is not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise MetricsError(f"{path} is not a JSON object")
+    return data
+
+
+def _compare(plan: dict[str, Any], metrics: dict[str, Any]) -> Comparison:
+    stages = tuple(StageComparison(p["index"], p["device"], p["fwd_s"], m["forward_s"],
+                                   p["bwd_s"], m["backward_s"])
+                   for p, m in zip(plan["stages"], metrics["stages"], strict=True))
+    step = metrics["step_s"]
+    idle = sum(r["idle_s"] for r in metrics["ranks"]) / len(metrics["ranks"]) / step
+    memory = tuple(_largest([r["peak_memory_bytes"] for r in metrics["ranks"]
+                             if r["device"] == d]) for d in range(plan["pp"]))
+    comparison = Comparison(stages, plan["predicted"]["iteration_s"], step,
+                            plan["predicted"]["bubble"], idle,
+                            tuple(plan["predicted"]["peak_memory_bytes"]), memory,
+                            metrics["device_type"], ())
+    return Comparison(**{**comparison.__dict__, "findings": findings(comparison)})
+
+
+def _largest(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return max(known) if known else None
+
+
+def findings(c: Comparison) -> tuple[str, ...]:
+    """Which assumption is off, most basic first."""
+    found = []
+    predicted = sum(s.predicted_fwd_s + s.predicted_bwd_s for s in c.stages)
+    measured = sum(s.measured_fwd_s + s.measured_bwd_s for s in c.stages)
+    overall = measured / max(predicted, 1e-12)
+    if not 1 / TOLERANCE <= overall <= TOLERANCE:
+        found.append(f"compute: the stages take {overall:.2f}× the predicted time overall; the "
+                     "device's speed is off: run `pipec profile MODEL --device "
+                     f"{c.device_type}` and compile with --calibration")
+    ratios = [s.ratio for s in c.stages]
+    if len(ratios) > 1 and max(ratios) / min(ratios) > SPREAD:
+        slow = max(c.stages, key=lambda s: s.ratio)
+        fast = min(c.stages, key=lambda s: s.ratio)
+        found.append(f"balance: stage {slow.index} runs {slow.ratio:.2f}× its prediction, stage "
+                     f"{fast.index} {fast.ratio:.2f}×; the time model misjudges some kinds of "
+                     "node, so the boundaries are off: calibrate with `pipec profile`")
+    if c.measured_idle - c.predicted_bubble > EXTRA_IDLE:
+        found.append(f"communication: devices idle {c.measured_idle:.0%} of the step against a "
+                     f"predicted bubble of {c.predicted_bubble:.0%}; the links are slower (or "
+                     "their latency higher) than the hardware preset says, or the optimizer step "
+                     "and gradient all-reduce cost more")
+    for device, (p, m) in enumerate(zip(c.predicted_memory, c.measured_memory, strict=True)):
+        if m is not None and not 1 / TOLERANCE <= m / max(p, 1.0) <= TOLERANCE:
+            found.append(f"memory: device {device} peaked at {m / 2**30:.2f} GiB against "
+                         f"{p / 2**30:.2f} GiB predicted")
+    return tuple(found) or (f"the predictions hold within {TOLERANCE:.2f}×",)
+
+
+def render(c: Comparison) -> str:
+    rows = [(s.index, s.device, _ms(s.predicted_fwd_s), _ms(s.measured_fwd_s),
+             _ms(s.predicted_bwd_s), _ms(s.measured_bwd_s), f"{s.ratio:.2f}") for s in c.stages]
+    table = tabulate(rows, ("stage", "device", "predicted fwd ms", "measured fwd ms",
+                            "predicted bwd ms", "measured bwd ms", "measured ÷ predicted"),
+                     tablefmt="github")
+    totals = tabulate([
+        ("step time ms", _ms(c.predicted_step_s), _ms(c.measured_step_s),
+         f"{c.measured_step_s / c.predicted_step_s:.2f}"),
+        ("idle (bubble) %", f"{c.predicted_bubble:.1%}", f"{c.measured_idle:.1%}", ""),
+        *[(f"peak memory GiB, device {d}", f"{p / 2**30:.3f}",
+           "n/a (CPU)" if m is None else f"{m / 2**30:.3f}",
+           "" if m is None else f"{m / max(p, 1.0):.2f}")
+          for d, (p, m) in enumerate(zip(c.predicted_memory, c.measured_memory, strict=True))],
+    ], ("", "predicted", "measured", "measured ÷ predicted"), tablefmt="github")
+    notes = "\n".join(f"- {line}" for line in c.findings)
+    return f"{table}\n\n{totals}\n\nFindings:\n{notes}\n"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f}" if math.isfinite(seconds) else "n/a"

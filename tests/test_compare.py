@@ -1,0 +1,89 @@
+"""`pipec compare`: a real run's metrics file against its plan."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import SAMPLES, compile_to, run_forked
+from pipec.cli import main
+from pipec.compare import Comparison, StageComparison, compare, findings, render
+from pipec.errors import MetricsError
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A 2-stage GPT plan and the metrics of 4 steps of it on 2 forked processes."""
+    root = tmp_path_factory.mktemp("compare")
+    compile_to(SAMPLES / "gpt.py", root / "o", gpus=2, batch_size=16, micro_batch=4,
+               schedule="1f1b")
+    run_forked(root / "o", 2, "--steps", "4", "--metrics", str(root / "m.json"))
+    return root / "o", root / "m.json"
+
+
+def test_metrics_file_has_every_stage_and_rank(measured: tuple[Path, Path]) -> None:
+    metrics = json.loads(measured[1].read_text())
+    assert metrics["steps"] == 3  # the first step is a warm-up
+    assert [s["index"] for s in metrics["stages"]] == [0, 1]
+    assert all(s["forward_s"] > 0 and s["backward_s"] > 0 for s in metrics["stages"])
+    assert sorted(r["rank"] for r in metrics["ranks"]) == [0, 1]
+    for rank in metrics["ranks"]:
+        assert rank["busy_s"] + rank["idle_s"] == pytest.approx(rank["step_s"], rel=1e-6)
+    assert metrics["samples_per_s"] == pytest.approx(16 / metrics["step_s"])
+
+
+def test_compare_puts_prediction_and_measurement_side_by_side(
+        measured: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    comparison = compare(*measured)
+    plan = json.loads((measured[0] / "plan.json").read_text())
+    assert [s.predicted_fwd_s for s in comparison.stages] == [s["fwd_s"] for s in plan["stages"]]
+    assert all(s.ratio > 0 for s in comparison.stages) and comparison.findings
+    assert main(["compare", str(measured[0]), str(measured[1])]) == 0
+    printed = capsys.readouterr().out
+    assert "measured ÷ predicted" in printed and "Findings:" in printed
+
+
+def _comparison(ratios: tuple[float, float], idle: float = 0.2,
+                memory: float | None = None) -> Comparison:
+    stages = tuple(StageComparison(k, k, 1.0, r, 2.0, 2 * r) for k, r in enumerate(ratios))
+    return Comparison(stages, 10.0, 10.0, 0.2, idle, (100.0, 100.0), (memory, None), "cuda", ())
+
+
+def test_findings_name_the_assumption_that_is_off() -> None:
+    assert findings(_comparison((1.0, 1.1))) == ("the predictions hold within 1.25×",)
+    assert "compute: the stages take 2.00×" in findings(_comparison((2.0, 2.0)))[0]
+    assert findings(_comparison((0.8, 1.3)))[0].startswith("balance: stage 1 runs 1.30×")
+    assert "communication: devices idle 50%" in findings(_comparison((1.0, 1.0), idle=0.5))[0]
+    assert "memory: device 0 peaked" in findings(_comparison((1.0, 1.0), memory=200.0))[0]
+    assert "n/a (CPU)" in render(_comparison((1.0, 1.0)))
+
+
+def test_metrics_of_another_plan_are_refused(measured: tuple[Path, Path],
+                                             tmp_path: Path) -> None:
+    compile_to(SAMPLES / "mlp.py", tmp_path / "other", gpus=2, batch_size=16)
+    with pytest.raises(MetricsError, match="measured on another plan"):
+        compare(tmp_path / "other", measured[1])
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    (None, "cannot read"), ("{not json", "is not JSON"), ("[1, 2]", "is not a JSON object")])
+def test_bad_metrics_files(measured: tuple[Path, Path], tmp_path: Path, content: str | None,
+                           message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "m.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(MetricsError, match=message):
+        compare(measured[0], path)
+    assert main(["compare", str(measured[0]), str(path)]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_an_incomplete_metrics_file_is_refused(measured: tuple[Path, Path],
+                                               tmp_path: Path) -> None:
+    metrics = json.loads(measured[1].read_text())
+    del metrics["ranks"]
+    (tmp_path / "m.json").write_text(json.dumps(metrics))
+    with pytest.raises(MetricsError, match="not a complete metrics file"):
+        compare(measured[0], tmp_path / "m.json")
