@@ -95,6 +95,8 @@ def _add_compile(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
                    help="compute times measured by pipec profile (JSON) instead of the preset's")
     p.add_argument("--strategy", choices=STRATEGIES, default="pipec",
                    help="emit pipec's plan (default) or a baseline's, to compare them")
+    p.add_argument("--onnx", action="store_true",
+                   help="also write stage_K.onnx per stage, checked (needs the onnx extra)")
     p.add_argument("--force", action="store_true",
                    help="replace an output directory that is not a previous pipec output")
     p.add_argument("-v", "--verbose", action="store_true", help="log each pass")
@@ -184,7 +186,7 @@ def _run_compile(args: argparse.Namespace) -> int:
         micro_batch=args.micro_batch, schedule=args.schedule, norm=args.norm,
         norm_groups=args.norm_groups, optimizer=args.optimizer, precision=args.precision,
         calibration=args.calibration, strategy=args.strategy,
-        virtual_stages=args.virtual_stages, force=args.force)
+        virtual_stages=args.virtual_stages, onnx=args.onnx, force=args.force)
     plan, emitted = compile_model(options)
     print(f"pipec: wrote {emitted.out}/ ({', '.join(emitted.files)}): {len(plan.stages)} "
           f"stage(s) on {plan.pp} pipeline device(s) × {plan.dp} replica(s), micro-batch "

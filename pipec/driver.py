@@ -14,6 +14,7 @@ from pipec.errors import ConfigError
 from pipec.hardware import DEFAULT, Device, load_devices
 from pipec.loader import ModelSpec, load_model_file
 from pipec.normalize import plan_norms
+from pipec.onnx_export import export_stages, require_onnx
 from pipec.planner import Plan, PlanRequest, plan
 from pipec.split import split
 from pipec.trace import Traced, batch_inputs, trace_model
@@ -39,6 +40,7 @@ class CompileOptions:
     calibration: Path | None = None
     strategy: str = "pipec"
     virtual_stages: int | None = None
+    onnx: bool = False
     force: bool = False
 
 
@@ -67,7 +69,8 @@ def compile_model(options: CompileOptions) -> tuple[Plan, Emitted]:
     norms = plan_norms(traced, graph, chosen.pp, chosen.dp, chosen.micro_batch, options.norm,
                        options.norm_groups)
     staged = split(traced, graph, chosen, spec.module.__name__)
-    emitted = emit(spec, traced, chosen, norms, staged, options.out, options.force)
+    emitted = emit(spec, traced, chosen, norms, staged, options.out, options.force,
+                   finish=export_stages if options.onnx else None)
     log.info("wrote %s: %d stage(s), micro-batch %d, %s", emitted.out, chosen.pp,
              chosen.micro_batch, chosen.schedule)
     return chosen, emitted
@@ -75,6 +78,8 @@ def compile_model(options: CompileOptions) -> tuple[Plan, Emitted]:
 
 def _request(options: CompileOptions) -> PlanRequest:
     """Check the options that need no model, so that mistakes are reported before tracing."""
+    if options.onnx:
+        require_onnx()
     if options.gpus < 1:
         raise ConfigError(f"--gpus {options.gpus}: need at least 1 device")
     if options.nodes < 1 or options.gpus % options.nodes:

@@ -7,14 +7,19 @@ timestamps, no absolute paths, sorted JSON keys.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
+import sys
 import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import jinja2
@@ -52,7 +57,10 @@ class Emitted:
 
 
 def emit(spec: ModelSpec, traced: Traced, plan: Plan, norms: NormPlan, staged: Staged,
-         out: Path, force: bool = False) -> Emitted:
+         out: Path, force: bool = False,
+         finish: Callable[[Path], tuple[str, ...]] | None = None) -> Emitted:
+    """Write every file into a staging directory, run ``finish`` on it (more files, e.g. ONNX),
+    and only then swap it into place of ``out``: a failure leaves ``out`` as it was."""
     _check_target(out, force)
     contents = render(spec, traced, plan, norms, staged)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -60,10 +68,11 @@ def emit(spec: ModelSpec, traced: Traced, plan: Plan, norms: NormPlan, staged: S
     try:
         for name, data in contents.items():
             _write(staging / name, data)
+        extra = finish(staging) if finish else ()
         _replace(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return Emitted(out, tuple(sorted(contents)))
+    return Emitted(out, tuple(sorted((*contents, *extra))))
 
 
 def render(spec: ModelSpec, traced: Traced, plan: Plan, norms: NormPlan,
@@ -256,3 +265,27 @@ def _replace(staging: Path, out: Path) -> None:
     out.rename(retired)
     staging.rename(out)
     shutil.rmtree(retired, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def emitted_modules(directory: Path) -> Iterator[tuple[ModuleType, ModuleType]]:
+    """Import the emitted model.py and stages.py as train.py does, then forget them."""
+    saved: dict[str, ModuleType] = {name: sys.modules.pop(name) for name in ("model", "stages")
+                                    if name in sys.modules}
+    sys.path.insert(0, str(directory))
+    try:
+        yield _import(directory, "model"), _import(directory, "stages")
+    finally:
+        sys.path.remove(str(directory))
+        for name in ("model", "stages"):
+            sys.modules.pop(name, None)
+        sys.modules.update(saved)
+
+
+def _import(directory: Path, name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, directory / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

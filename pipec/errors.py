@@ -31,3 +31,7 @@ class OutputError(PipecError):
 
 class MetricsError(PipecError):
     """A metrics file that is missing, malformed, or from another plan."""
+
+
+class ExportError(PipecError):
+    """A stage the ONNX exporter cannot handle."""

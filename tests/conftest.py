@@ -8,15 +8,11 @@ import os
 # workers must not inherit a running OpenMP pool.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import contextlib
-import importlib.util
 import re
 import runpy
 import socket
 import sys
-from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -25,6 +21,7 @@ import torch.distributed.pipelining
 import torch.multiprocessing as mp
 
 from pipec.driver import CompileOptions, compile_model
+from pipec.emit import emitted_modules  # noqa: F401  (re-exported for the tests)
 from pipec.planner import Plan
 
 torch.set_num_threads(1)
@@ -42,32 +39,6 @@ def compile_to(model: Path, out: Path, **options: Any) -> Plan:
     options.setdefault("pp", options.get("gpus", 1))
     plan, _ = compile_model(CompileOptions(model=model, out=out, **options))
     return plan
-
-
-@contextlib.contextmanager
-def emitted_modules(out: Path) -> Iterator[tuple[ModuleType, ModuleType]]:
-    """Import an output directory's ``model.py`` and ``stages.py`` as the script would."""
-    saved = {name: sys.modules.pop(name, None) for name in ("model", "stages")}
-    sys.path.insert(0, str(out))
-    try:
-        model = _import(out / "model.py", "model")
-        stages = _import(out / "stages.py", "stages")
-        yield model, stages
-    finally:
-        sys.path.remove(str(out))
-        for name, module in saved.items():
-            sys.modules.pop(name, None)
-            if module is not None:
-                sys.modules[name] = module
-
-
-def _import(path: Path, name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def free_port() -> int:

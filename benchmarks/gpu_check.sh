@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The CUDA/NCCL path of the emitted script, and predicted against measured step time and memory.
+#
+#   bash benchmarks/gpu_check.sh            # on a machine with an NVIDIA GPU and torch (CUDA)
+#   PYTHON=.venv/bin/python HARDWARE=h200 STEPS=30 bash benchmarks/gpu_check.sh
+#
+# Compiles samples/gpt.py and samples/resnet.py for one GPU (--gpus 1, the preset HARDWARE),
+# runs each emitted train.py with --metrics, and prints `pipec compare`: per-stage forward and
+# backward time, step time and peak CUDA memory, predicted and measured. With two or more GPUs it
+# also runs a 2-stage pipeline over NCCL with torchrun. ALLOW_CPU=1 HARDWARE=cpu runs the same
+# steps without a GPU (gloo, no memory figures), to check the script itself.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+case $PYTHON in  # absolute, since the runs below change directory
+    /*) ;;
+    */*) PYTHON="$PWD/$PYTHON" ;;
+    *) PYTHON=$(command -v "$PYTHON" || echo "$PYTHON") ;;
+esac
+HARDWARE=${HARDWARE:-h200}
+STEPS=${STEPS:-30}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+
+if ! "$PYTHON" -c "import torch, pipec" 2>/dev/null; then
+    echo "gpu_check: $PYTHON cannot import torch and pipec; set PYTHON to an environment with both" >&2
+    exit 2
+fi
+gpus=$("$PYTHON" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
+if [ "$gpus" -lt 1 ] && [ "${ALLOW_CPU:-0}" != 1 ]; then
+    echo "gpu_check: no CUDA device visible to $PYTHON; nothing to check (ALLOW_CPU=1 runs" \
+        "the same steps on the CPU, to check the script itself)" >&2
+    exit 2
+fi
+if [ "$gpus" -ge 1 ]; then
+    "$PYTHON" -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'NCCL', torch.cuda.nccl.version(), torch.cuda.get_device_name(0))"
+fi
+
+check() {  # name, model file, batch, extra compile options...
+    local name=$1 model=$2 batch=$3
+    shift 3
+    "$PYTHON" -m pipec.cli compile "$model" --batch-size "$batch" --hardware "$HARDWARE" \
+        -o "$work/$name" "$@"
+    echo "=== $name: $(grep -m1 '^Plan:' "$work/$name/train.py")"
+}
+
+run_one() {  # name
+    (cd "$work/$1" && "$PYTHON" train.py --steps "$STEPS" --metrics metrics.json | tail -2)
+    "$PYTHON" -m pipec.cli compare "$work/$1" "$work/$1/metrics.json"
+}
+
+check gpt-1gpu samples/gpt.py 64 --gpus 1
+run_one gpt-1gpu
+check resnet-1gpu samples/resnet.py 64 --gpus 1
+run_one resnet-1gpu
+if [ "$gpus" -ge 2 ]; then
+    check gpt-2gpu samples/gpt.py 64 --gpus 2 --pp 2 --schedule 1f1b
+    (cd "$work/gpt-2gpu" && "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node 2 \
+        train.py --steps "$STEPS" --metrics metrics.json | tail -2)
+    "$PYTHON" -m pipec.cli compare "$work/gpt-2gpu" "$work/gpt-2gpu/metrics.json"
+fi
