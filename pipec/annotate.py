@@ -54,6 +54,9 @@ class NodeCost:
     params: int  # parameters this node is the first user of
     param_bytes: int
     buffer_bytes: int
+    # Parameters an earlier node used too (tied weights), counted at their last user: a stage
+    # boundary between the two users gives the later stage a copy of its own.
+    shared_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -99,14 +102,15 @@ def annotate(traced: Traced, inputs_at: Sequence[tuple[torch.Tensor, ...]]) -> C
     one, two = (_measure(gm, tuple(t.to("meta") for t in inputs)) for inputs in inputs_at)
     compute = [n for n in gm.graph.nodes if n.op in COMPUTE_OPS]
     params, buffers = _first_users(gm, compute)
+    shared = _shared_bytes(gm, compute)
     nodes = tuple(_node_cost(n, one[n.name], two[n.name], params.get(n.name, ()),
-                             buffers.get(n.name, 0)) for n in compute)
+                             buffers.get(n.name, 0), shared.get(n.name, 0)) for n in compute)
     lifetimes = _lifetimes(gm, compute)
     sizes = {**{n.name: c.output_bytes for n, c in zip(compute, nodes, strict=True)},
              **_input_bytes(gm, one, two)}
     cut_bytes = tuple(_sum_linear(sizes[v] for v in live) for live in _live_sets(lifetimes,
                                                                                    len(compute)))
-    legal = _legal_cuts(gm, compute, lifetimes, params, nodes)
+    legal = _legal_cuts(compute, lifetimes, nodes)
     values = tuple(_value_spec(n.name, one[n.name].value, two[n.name].value)
                    for n in gm.graph.nodes if n.name in lifetimes
                    and isinstance(one[n.name].value, torch.Tensor))
@@ -445,7 +449,7 @@ def _owner(n: fx.Node) -> str:
 
 
 def _node_cost(n: fx.Node, one: _Measured, two: _Measured,
-               params: Sequence[torch.Tensor], buffer_bytes: int) -> NodeCost:
+               params: Sequence[torch.Tensor], buffer_bytes: int, shared_bytes: int) -> NodeCost:
     is_tensor = isinstance(one.value, torch.Tensor)
     return NodeCost(
         name=n.name, op=n.op, target=_target_name(n), module=_owner(n),
@@ -456,7 +460,7 @@ def _node_cost(n: fx.Node, one: _Measured, two: _Measured,
         saved_bytes=_linear(one.saved_bytes, two.saved_bytes),
         params=sum(p.numel() for p in params),
         param_bytes=sum(_nbytes(p) for p in params),
-        buffer_bytes=buffer_bytes,
+        buffer_bytes=buffer_bytes, shared_bytes=shared_bytes,
     )
 
 
@@ -554,10 +558,10 @@ def _input_bytes(gm: fx.GraphModule, one: dict[str, _Measured],
             for n in gm.graph.nodes if n.op == "placeholder"}
 
 
-def _legal_cuts(gm: fx.GraphModule, compute: list[fx.Node], lifetimes: dict[str, tuple[int, int]],
-                params: dict[str, tuple[torch.Tensor, ...]], nodes: tuple[NodeCost, ...]
-                ) -> tuple[bool, ...]:
-    """A cut is legal when only tensors cross it and no parameter is used on both sides."""
+def _legal_cuts(compute: list[fx.Node], lifetimes: dict[str, tuple[int, int]],
+                nodes: tuple[NodeCost, ...]) -> tuple[bool, ...]:
+    """A cut is legal when only tensors cross it. (A parameter used on both sides is copied
+    into both stages, whose gradients the training script sums.)"""
     n = len(compute)
     legal = [True] * (n + 1)
     is_tensor = {c.name: c.is_tensor for c in nodes}
@@ -565,20 +569,22 @@ def _legal_cuts(gm: fx.GraphModule, compute: list[fx.Node], lifetimes: dict[str,
         if made >= 0 and not is_tensor[name]:
             for cut in range(made + 1, last_use + 1):
                 legal[cut] = False
-    for first, last in _param_spans(gm, compute):
-        for cut in range(first + 1, last + 1):
-            legal[cut] = False
     legal[0] = legal[n] = True
     return tuple(legal)
 
 
-def _param_spans(gm: fx.GraphModule, compute: list[fx.Node]) -> list[tuple[int, int]]:
-    """(first, last) position of the compute nodes that use each parameter (shared weights)."""
-    position = {n.name: i for i, n in enumerate(compute)}
-    spans: dict[int, tuple[int, int]] = {}
+def _shared_bytes(gm: fx.GraphModule, compute: list[fx.Node]) -> dict[str, int]:
+    """Per node, the bytes of the parameters whose last user it is, among those that an earlier
+    node used first (shared modules, tied weights)."""
+    users: dict[int, list[str]] = {}
+    tensors: dict[int, torch.Tensor] = {}
     for n, reader in _readers(gm, compute):
         for p in _tensors_of(gm, reader)[0]:
-            i = position[n.name]
-            first, last = spans.get(id(p), (i, i))
-            spans[id(p)] = (min(first, i), max(last, i))
-    return [span for span in spans.values() if span[0] != span[1]]
+            if n.name not in users.setdefault(id(p), []):
+                users[id(p)].append(n.name)
+            tensors[id(p)] = p
+    shared: dict[str, int] = {}
+    for key, names in users.items():
+        if len(names) > 1:
+            shared[names[-1]] = shared.get(names[-1], 0) + _nbytes(tensors[key])
+    return shared

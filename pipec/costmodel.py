@@ -86,7 +86,8 @@ def node_arrays(graph: CostGraph, device: Device, micro_batch: int, training: Tr
     if calibration is not None:
         fwd = calibration.forward.seconds(fwd_flops, moved)
         bwd = calibration.backward.seconds(bwd_flops, moved)
-    static = (param_bytes * static_ratio(training)
+    shared = np.array([n.shared_bytes for n in graph.nodes], dtype=float)
+    static = ((param_bytes + shared) * static_ratio(training)
               + np.array([n.buffer_bytes for n in graph.nodes], dtype=float))
     cut_bytes = np.array([c.at(micro_batch) for c in graph.cut_bytes]) * ratio
     cut_bytes[0] = cut_bytes[-1] = 0.0  # the graph's ends send nothing

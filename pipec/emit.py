@@ -182,7 +182,8 @@ def _stage_context(plan: Plan, norms: NormPlan, staged: Staged) -> dict[str, Any
         "input_specs": _specs_literal(code.input_specs),
         "output_specs": _specs_literal(code.output_specs),
     } for code, stage in zip(staged.stages, plan.stages, strict=True)]
-    return {"stages": stages, "imports": staged.imports, "norm_rewrites": norms.rewrites}
+    return {"stages": stages, "imports": staged.imports, "norm_rewrites": norms.rewrites,
+            "tied": staged.tied}
 
 
 def _report_context(plan: Plan, norms: NormPlan) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+import torch
 from torch import fx
 from torch.fx.graph import PythonCode
 
@@ -53,6 +54,9 @@ class StageCode:
 class Staged:
     stages: tuple[StageCode, ...]
     imports: tuple[str, ...]  # import lines the generated code needs
+    # Parameters held by more than one stage (shared modules, tied weights): for each, the
+    # (stage index, name in that stage) of every copy. Training sums their gradients.
+    tied: tuple[tuple[tuple[int, str], ...], ...] = ()
 
 
 def split(traced: Traced, graph: CostGraph, plan: Plan, user_module: str) -> Staged:
@@ -75,7 +79,31 @@ def split(traced: Traced, graph: CostGraph, plan: Plan, user_module: str) -> Sta
             stage.index, f"Stage{stage.index}", tuple(inputs), outputs, paths, source,
             input_specs=specs.of(inputs, sent=stage.index > 0),
             output_specs=specs.of(outputs or _model_outputs(gm), sent=not last)))
-    return Staged(tuple(codes), tuple(sorted(imports)))
+    return Staged(tuple(codes), tuple(sorted(imports)), tied_parameters(gm, codes))
+
+
+def tied_parameters(root: torch.nn.Module, codes: Sequence[StageCode]
+                    ) -> tuple[tuple[tuple[int, str], ...], ...]:
+    """Parameters that two or more stages keep (the same tensor object), with each stage's name
+    for it; in the order of their first stage and name, so the output is deterministic."""
+    holders: dict[int, dict[int, str]] = {}
+    for code in codes:
+        for path in code.module_paths:
+            for name, parameter in _parameters_at(root, path):
+                holders.setdefault(id(parameter), {}).setdefault(code.index, name)
+    tied = [tuple(sorted(stages.items())) for stages in holders.values() if len(stages) > 1]
+    return tuple(sorted(tied))
+
+
+def _parameters_at(root: torch.nn.Module, path: str) -> list[tuple[str, torch.nn.Parameter]]:
+    """The parameters a stage keeps at ``path`` (a submodule or an attribute), by name."""
+    module_path, _, name = path.rpartition(".")
+    value = getattr(root.get_submodule(module_path) if module_path else root, name)
+    if isinstance(value, torch.nn.Parameter):
+        return [(path, value)]
+    if isinstance(value, torch.nn.Module):
+        return [(f"{path}.{n}", p) for n, p in value.named_parameters(remove_duplicate=False)]
+    return []
 
 
 @dataclass(frozen=True)

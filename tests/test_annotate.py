@@ -63,12 +63,15 @@ def test_cuts_inside_a_shape_computation_are_illegal() -> None:
     assert shape_reads and all(not graph.legal_cuts[i + 1] for i in shape_reads)
 
 
-def test_a_shared_module_cannot_be_cut() -> None:
+def test_a_shared_module_may_be_cut_and_its_copy_is_counted() -> None:
     _, graph = analyse(MODELS / "shared_module.py")
     uses = [i for i, n in enumerate(graph.nodes) if n.module == "twice"]
     assert len(uses) == 2
-    assert not any(graph.legal_cuts[uses[0] + 1:uses[1] + 1])
+    assert all(graph.legal_cuts[uses[0] + 1:uses[1] + 1])
+    # Counted once in the model's parameters; the last user carries the bytes of a second copy.
     assert graph.nodes[uses[0]].params == 8 * 8 + 8 and graph.nodes[uses[1]].params == 0
+    assert graph.nodes[uses[1]].shared_bytes == (8 * 8 + 8) * 4
+    assert sum(n.shared_bytes for n in graph.nodes) == (8 * 8 + 8) * 4
 
 
 @pytest.mark.parametrize("path", [SAMPLES / "mlp.py", SAMPLES / "resnet.py", SAMPLES / "gpt.py",

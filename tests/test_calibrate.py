@@ -37,7 +37,11 @@ def test_profile_measures_every_node_and_round_trips(tmp_path: Path) -> None:
     calibration, samples = profile_model(SAMPLES / "mlp.py", 4, repeats=2)
     assert {s.micro_batch for s in samples} == {1, 2, 4}
     assert len(samples) == 3 * 11 and all(s.fwd_s > 0 for s in samples)
-    assert calibration.device == "cpu" and calibration.forward.seconds_per_flop > 0
+    assert calibration.device == "cpu"
+    # The least-squares fit explains the measurements it came from (which coefficient carries
+    # the time varies with the machine's noise: FLOPs and bytes grow together in an MLP).
+    predicted = sum(calibration.forward.seconds(s.fwd_flops, s.moved_bytes) for s in samples)
+    assert 0.5 < predicted / sum(s.fwd_s for s in samples) < 2
     save_calibration(calibration, tmp_path / "c.json")
     assert load_calibration(tmp_path / "c.json") == calibration
 

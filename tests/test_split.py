@@ -63,10 +63,13 @@ def test_skip_connection_is_forwarded_across_stages(tmp_path: Path) -> None:
         assert "image_1" in later and "text" in later
 
 
-def test_shared_module_stays_in_one_stage(tmp_path: Path) -> None:
-    plan = compile_to(MODELS / "shared_module.py", tmp_path / "out", gpus=2, batch_size=8)
-    owners = [{m.split(".")[0] for m in stage.modules} for stage in plan.stages]
-    assert sum("twice" in stage for stage in owners) == 1
+def test_shared_parameters_are_listed_with_each_stages_name(tmp_path: Path) -> None:
+    compile_to(MODELS / "tied_gpt.py", tmp_path / "out", gpus=4, batch_size=8)
+    with emitted_modules(tmp_path / "out") as (_, stages):
+        assert stages.TIED == (((0, "tok_emb.weight"), (3, "head.weight")),)
+    compile_to(MODELS / "tied_gpt.py", tmp_path / "one", gpus=1, batch_size=8)
+    with emitted_modules(tmp_path / "one") as (_, stages):
+        assert stages.TIED == ()  # one stage holds both uses
 
 
 def test_stage_state_dict_keys_are_the_models(tmp_path: Path) -> None:

@@ -59,6 +59,15 @@ def test_interleaved_with_data_parallel_equals_one_process(tmp_path: Path) -> No
     assert_same_losses(losses, reference)
 
 
+@pytest.mark.parametrize(("model", "gpus", "pp"), [("tied_gpt", 4, 4), ("tied_gpt", 4, 2),
+                                                   ("shared_module", 2, 2)],
+                         ids=["tied-4-stages", "tied-pp2xdp2", "shared-module-2-stages"])
+def test_parameters_shared_across_stages_train_like_one_process(model: str, gpus: int, pp: int,
+                                                                tmp_path: Path) -> None:
+    reference = train(MODELS / f"{model}.py", tmp_path, "one", 1)
+    assert_same_losses(train(MODELS / f"{model}.py", tmp_path, "split", gpus, pp=pp), reference)
+
+
 def test_group_norm_resnet_equal_on_1_and_4_stages(tmp_path: Path) -> None:
     reference = train(SAMPLES / "resnet.py", tmp_path, "one", 1, norm="group")
     assert_same_losses(train(SAMPLES / "resnet.py", tmp_path, "pp4", 4), reference)

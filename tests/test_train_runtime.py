@@ -117,3 +117,13 @@ def run_script(out: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, "train.py", *args], cwd=out, env=env,
                           capture_output=True, text=True, timeout=300, check=False)
+
+
+def test_clipping_counts_a_tied_weight_once(tmp_path: Path) -> None:
+    for name, gpus in (("one", 1), ("pp4", 4)):
+        compile_to(MODELS / "tied_gpt.py", tmp_path / name, gpus=gpus, batch_size=16)
+    clip = ("--steps", "3", "--clip-norm", "1.0")
+    one = run_forked_text(tmp_path / "one", 1, *clip)
+    piped = run_forked_text(tmp_path / "pp4", 4, *clip)
+    assert column(piped, "grad_norm") == pytest.approx(column(one, "grad_norm"), rel=1e-4)
+    assert column(piped, "loss") == pytest.approx(column(one, "loss"), rel=1e-4)
