@@ -24,6 +24,7 @@ from pipec.inspection import inspect_model, render_json, render_table
 from pipec.normalize import NORM_CHOICES
 from pipec.planner import STRATEGIES
 from pipec.schedule import SCHEDULES
+from pipec.trace import FRONTENDS
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -95,6 +96,9 @@ def _add_compile(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
                    help="compute times measured by pipec profile (JSON) instead of the preset's")
     p.add_argument("--strategy", choices=STRATEGIES, default="pipec",
                    help="emit pipec's plan (default) or a baseline's, to compare them")
+    p.add_argument("--frontend", choices=FRONTENDS, default="auto",
+                   help="graph capture: torch.fx, torch.export (for models fx cannot trace), "
+                   "or auto: fx, then export if fx fails")
     p.add_argument("--onnx", action="store_true",
                    help="also write stage_K.onnx per stage, checked (needs the onnx extra)")
     p.add_argument("--force", action="store_true",
@@ -186,7 +190,8 @@ def _run_compile(args: argparse.Namespace) -> int:
         micro_batch=args.micro_batch, schedule=args.schedule, norm=args.norm,
         norm_groups=args.norm_groups, optimizer=args.optimizer, precision=args.precision,
         calibration=args.calibration, strategy=args.strategy,
-        virtual_stages=args.virtual_stages, onnx=args.onnx, force=args.force)
+        virtual_stages=args.virtual_stages, frontend=args.frontend, onnx=args.onnx,
+        force=args.force)
     plan, emitted = compile_model(options)
     print(f"pipec: wrote {emitted.out}/ ({', '.join(emitted.files)}): {len(plan.stages)} "
           f"stage(s) on {plan.pp} pipeline device(s) × {plan.dp} replica(s), micro-batch "

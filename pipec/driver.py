@@ -40,6 +40,7 @@ class CompileOptions:
     calibration: Path | None = None
     strategy: str = "pipec"
     virtual_stages: int | None = None
+    frontend: str = "auto"
     onnx: bool = False
     force: bool = False
 
@@ -57,7 +58,7 @@ class Analyzed:
 def analyze(options: CompileOptions) -> Analyzed:
     request = _request(options)
     spec = load_model_file(options.model)
-    traced = trace_model(spec)
+    traced = trace_model(spec, options.frontend)
     graph = annotate(traced, [batch_inputs(spec, size)[0] for size in MEASURED_BATCHES])
     return Analyzed(spec, traced, graph, request)
 

@@ -165,6 +165,9 @@ def _stage_source(code: PythonCode, user_module: str) -> tuple[str, list[str]]:
     # fx re-registers wrapped functions for re-tracing; an emitted file does not retrace.
     source = "\n".join(line for line in code.src.splitlines()
                        if not line.strip().startswith("torch.fx._symbolic_trace.wrap("))
+    # torch.export records the device it traced on (meta) in factory calls such as arange:
+    # the stage creates those tensors where its inputs are instead.
+    source = source.replace("device(type='meta')", "self.run_device")
     imports = []
     for name, value in sorted(code.globals.items()):
         if name == "torch" or not re.search(rf"\b{re.escape(name)}\b", source):

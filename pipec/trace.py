@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx, nn
 
-from pipec.errors import ModelFileError, TraceError
+from pipec.errors import ConfigError, ModelFileError, TraceError
 from pipec.loader import ModelSpec, user_frame
 
 
@@ -20,20 +20,87 @@ class Traced:
     frontend: str
 
 
-def trace_model(spec: ModelSpec) -> Traced:
-    """Build ``spec``'s model under ``torch.device("meta")`` and ``symbolic_trace`` it."""
+FRONTENDS = ("auto", "fx", "export")
+# Calls that torch.export leaves in its graph to check shapes and metadata at run time: they
+# record the meta device pipec traced on, so the emitted stages drop them.
+_EXPORT_CHECKS = ("_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range",
+                  "_assert_async")
+
+
+def trace_model(spec: ModelSpec, frontend: str = "auto") -> Traced:
+    """Build ``spec``'s model under ``torch.device("meta")`` and capture its graph: with
+    ``torch.fx.symbolic_trace``, or ``torch.export`` for models fx cannot trace ("auto" tries
+    fx first)."""
+    if frontend not in FRONTENDS:
+        raise ConfigError(f"--frontend {frontend!r}: use one of {', '.join(FRONTENDS)}")
     with torch.device("meta"):
         model = spec.build_model()
     if not isinstance(model, nn.Module):
         raise ModelFileError(f"{spec.path}: build_model() returned {type(model).__name__}, "
                              "expected a torch.nn.Module")
+    if frontend == "export":
+        return _export(spec, model)
+    try:
+        return _symbolic_trace(spec, model)
+    except TraceError as fx_error:
+        if frontend == "fx":
+            raise TraceError(f"{fx_error}; try --frontend export") from None
+        try:
+            return _export(spec, model)
+        except TraceError as export_error:
+            raise TraceError(f"{fx_error}; and with --frontend export: {export_error}") from None
+
+
+def _symbolic_trace(spec: ModelSpec, model: nn.Module) -> Traced:
     try:
         graph_module = fx.symbolic_trace(model)
     except Exception as exc:
         raise TraceError(f"{user_frame(spec.path, exc)}: torch.fx cannot trace the model: "
-                         f"{type(exc).__name__}: {exc}") from None
-    names = tuple(n.target for n in graph_module.graph.nodes if n.op == "placeholder")
-    return Traced(graph_module=graph_module, input_names=tuple(map(str, names)), frontend="fx")
+                         f"{type(exc).__name__}: {_first_line(exc)}") from None
+    return Traced(graph_module, _input_names(graph_module), "fx")
+
+
+def _export(spec: ModelSpec, model: nn.Module) -> Traced:
+    """torch.export (non-strict) on meta inputs of batch 2, the batch dimension dynamic, so
+    that the graph holds for every micro-batch size."""
+    inputs = tuple(t.to("meta") for t in batch_inputs(spec, 2)[0])
+    dims = tuple({0: torch.export.Dim.AUTO} for _ in inputs)
+    try:
+        program = torch.export.export(model, inputs, dynamic_shapes=dims, strict=False)
+    except Exception as exc:
+        raise TraceError(f"{user_frame(spec.path, exc)}: torch.export cannot capture the model: "
+                         f"{type(exc).__name__}: {_first_line(exc)}") from None
+    graph_module = program.module()
+    if not isinstance(graph_module, fx.GraphModule):
+        raise TraceError(f"{spec.path}: torch.export returned no graph module")
+    _drop_runtime_checks(graph_module)
+    return Traced(graph_module, _input_names(graph_module), "export")
+
+
+def _drop_runtime_checks(graph_module: fx.GraphModule) -> None:
+    for node in reversed(list(graph_module.graph.nodes)):
+        name = str(getattr(node.target, "__name__", node.target))
+        guards = node.op == "call_module" and node.target == "_guards_fn"
+        check = node.op == "call_function" and not node.users and name.startswith(_EXPORT_CHECKS)
+        if guards or check:
+            graph_module.graph.erase_node(node)
+    if hasattr(graph_module, "_guards_fn"):
+        graph_module.delete_submodule("_guards_fn")
+    # torch.export returns a flat tuple of outputs; a model that returns one tensor, as the
+    # model-file contract's loss_fn expects, gets that tensor back.
+    output = next(n for n in graph_module.graph.nodes if n.op == "output")
+    if isinstance(output.args[0], tuple | list) and len(output.args[0]) == 1:
+        output.args = (output.args[0][0],)
+    graph_module.recompile()
+
+
+def _input_names(graph_module: fx.GraphModule) -> tuple[str, ...]:
+    return tuple(str(n.target) for n in graph_module.graph.nodes if n.op == "placeholder")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
 
 
 def batch_inputs(spec: ModelSpec, batch_size: int) -> tuple[tuple[torch.Tensor, ...], object]:

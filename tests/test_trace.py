@@ -1,0 +1,71 @@
+"""Front ends: torch.fx, torch.export for what fx cannot trace (a Hugging Face GPT-2), and the
+messages when neither can."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import MODELS, compile_to, emitted_modules, run_forked
+from pipec.errors import ConfigError, TraceError
+from pipec.loader import load_model_file
+from pipec.trace import trace_model
+
+HF = MODELS / "hf_gpt2.py"
+
+
+def test_auto_falls_back_to_export_for_a_hugging_face_model(tmp_path: Path) -> None:
+    compile_to(HF, tmp_path / "o", gpus=2, batch_size=8)
+    plan = json.loads((tmp_path / "o" / "plan.json").read_text())
+    assert plan["frontend"] == "export"
+    assert "front end export" in (tmp_path / "o" / "report.md").read_text()
+    # GPT-2's output head shares the token embedding: both stages hold it.
+    with emitted_modules(tmp_path / "o") as (_, stages):
+        assert [len(copies) for copies in stages.TIED] == [2]
+
+
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_exported_stages_compose_to_the_hugging_face_model(gpus: int, tmp_path: Path) -> None:
+    compile_to(HF, tmp_path / "o", gpus=gpus, batch_size=8, frontend="export")
+    with emitted_modules(tmp_path / "o") as (user_model, stages):
+        torch.manual_seed(0)
+        model = user_model.build_model().eval()
+        idx = user_model.sample_batch(4)[0]
+        values: tuple[torch.Tensor, ...] = (idx,)
+        with torch.no_grad():
+            for stage_class in stages.STAGES:
+                out = stage_class(model)(*values)
+                values = out if isinstance(out, tuple) else (out,)
+            expected = model(idx)
+    torch.testing.assert_close(values[0], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_hugging_face_gpt2_trains_identically_on_1_and_2_stages(tmp_path: Path) -> None:
+    compile_to(HF, tmp_path / "one", gpus=1, batch_size=16)
+    compile_to(HF, tmp_path / "two", gpus=2, batch_size=16)
+    reference = run_forked(tmp_path / "one", 1, "--steps", "4", "--seed", "3")
+    assert run_forked(tmp_path / "two", 2, "--steps", "4", "--seed", "3") == reference
+    assert len(set(reference)) > 1
+
+
+def test_value_dependent_control_flow_under_fx_names_the_line_and_export(tmp_path: Path) -> None:
+    spec = load_model_file(MODELS / "control_flow.py")
+    with pytest.raises(TraceError, match=r"control_flow\.py:15: torch\.fx cannot trace the model"
+                                         r".*; try --frontend export"):
+        trace_model(spec, "fx")
+
+
+def test_when_neither_front_end_can_trace_both_reasons_are_given(tmp_path: Path) -> None:
+    with pytest.raises(TraceError, match=r"torch\.fx cannot trace.*and with --frontend export: "
+                                         r".*torch\.export cannot capture the model"):
+        compile_to(MODELS / "control_flow.py", tmp_path / "o", gpus=1, batch_size=8)
+    assert not (tmp_path / "o").exists()
+
+
+def test_unknown_front_end(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="--frontend 'jit': use one of auto, fx, export"):
+        compile_to(MODELS / "control_flow.py", tmp_path / "o", gpus=1, batch_size=8,
+                   frontend="jit")
