@@ -445,7 +445,14 @@ def _owner(n: fx.Node) -> str:
     if n.op == "call_module":
         return str(n.target)
     stack = n.meta.get("nn_module_stack")
-    return str(next(reversed(stack))) if stack else ""
+    if not stack:
+        return ""
+    # {key: (qualified name, type)}; torch.export's keys are not the names ("L__self__gpt").
+    key = next(reversed(stack))
+    value = stack[key]
+    if str(key).startswith("_empty_nn_module_stack"):  # torch.export: a node outside modules
+        return ""
+    return str(value[0]) if isinstance(value, tuple) and value else str(key)
 
 
 def _node_cost(n: fx.Node, one: _Measured, two: _Measured,

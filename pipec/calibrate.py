@@ -25,7 +25,7 @@ from torch import fx
 
 from pipec.annotate import COMPUTE_OPS, MEASURED_BATCHES, CostGraph, annotate
 from pipec.costmodel import Calibration, Fit
-from pipec.errors import ConfigError
+from pipec.errors import ConfigError, TraceError
 from pipec.loader import load_model_file
 from pipec.trace import batch_inputs, trace_model
 
@@ -51,7 +51,12 @@ def profile_model(model: Path, batch_size: int, device: str = "cpu",
                   repeats: int = 5) -> tuple[Calibration, tuple[Sample, ...]]:
     target = _device(device)
     spec = load_model_file(model)
-    traced = trace_model(spec)
+    try:
+        traced = trace_model(spec, "fx")
+    except TraceError as exc:
+        message = str(exc).removesuffix("; try --frontend export")
+        raise TraceError(f"{message}; pipec profile times the torch.fx graph, so it needs a model "
+                         "fx can trace: compile this one without --calibration") from None
     graph = annotate(traced, [batch_inputs(spec, size)[0] for size in MEASURED_BATCHES])
     torch.manual_seed(0)
     real = fx.symbolic_trace(spec.build_model()).to(target).train()

@@ -69,3 +69,17 @@ def test_unknown_front_end(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="--frontend 'jit': use one of auto, fx, export"):
         compile_to(MODELS / "control_flow.py", tmp_path / "o", gpus=1, batch_size=8,
                    frontend="jit")
+
+
+def test_exported_nodes_keep_the_models_module_names(tmp_path: Path) -> None:
+    plan = compile_to(HF, tmp_path / "o", gpus=2, batch_size=8)
+    names = [name for stage in plan.stages for name in stage.modules]
+    assert names and all(name.startswith("gpt") for name in names), names
+
+
+def test_profile_needs_an_fx_graph_and_says_so() -> None:
+    from pipec.calibrate import profile_model
+
+    with pytest.raises(TraceError, match=r"hf_gpt2\.py:\d+: torch\.fx cannot trace the model.*"
+                                         r"pipec profile times the torch\.fx graph"):
+        profile_model(HF, 2)
