@@ -69,6 +69,13 @@ def test_memory_that_does_not_fit_is_an_error_with_numbers(tmp_path: Path) -> No
     ({"batch_size": 12, "micro_batch": 5}, "does not divide the per-replica batch 12"),
     ({"gpus": 64}, "legal stage boundaries"),
     ({"hardware": "tpu-v9"}, "unknown hardware 'tpu-v9'; presets: a100-40g"),
+    ({"gpus": 2, "virtual_stages": 1}, "interleaving needs 2 or more stages per device"),
+    ({"gpus": 2, "virtual_stages": 2, "schedule": "gpipe"},
+     "sets the stages per device of --schedule interleaved"),
+    ({"gpus": 1, "schedule": "interleaved"},
+     "--schedule interleaved needs 2 or more pipeline devices"),
+    ({"gpus": 2, "batch_size": 12, "micro_batch": 4, "schedule": "interleaved"},
+     "a multiple of 2 micro-batches per step"),
 ])
 def test_bad_options(tmp_path: Path, options: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
