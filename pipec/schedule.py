@@ -40,7 +40,6 @@ class Simulation:
     bubble: float  # fraction of device time spent idle
     in_flight: tuple[int, ...]  # per stage, most micro-batches whose activations it holds at once
     actions: tuple[Action, ...]
-    devices: int = 0  # pipeline positions (rows of the timeline)
 
 
 def runs(schedule: str, pp: int, num_micro_batches: int, virtual: int = 1) -> bool:
@@ -177,7 +176,7 @@ def simulate(schedule: str, fwd_s: list[float], bwd_s: list[float], num_micro_ba
                             for i, (kind, s, k, d, _, _) in enumerate(structure.steps)),
                            key=lambda a: (a.device, a.start_s))) if timeline else ()
     return Simulation(iteration, bubble, in_flight(schedule, pp, num_micro_batches, stages // pp),
-                      actions, pp)
+                      actions)
 
 
 @dataclass(frozen=True)
