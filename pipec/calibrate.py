@@ -1,11 +1,15 @@
 """`pipec profile`: measure a model on this machine's device and fit the time model's constants.
 
-Every compute node runs on real tensors, isolated as `annotate` isolates it (its inputs as fresh
-leaves), at several micro-batch sizes: its forward, then forward and backward, each a warm-up and
-then the fastest of ``repeats`` runs. A non-negative least-squares fit of
-``t = overhead + flops · s_flop + bytes · s_byte`` over all (node, micro-batch) points, one fit
-for forward and one for backward, gives a Calibration that `pipec compile --calibration` uses
-in place of the preset's roofline.
+The model runs whole training passes (forward, then backward from the outputs) on real tensors
+at several micro-batch sizes, so every node is timed in context: after the node before it, with
+the caches and the allocator as a stage leaves them. A stamp after each node's forward and a
+hook on each node's output gradient (autograd calls it when the node's backward starts) split the
+pass into per-node forward and backward times; the median of ``repeats`` passes is kept.
+
+The result serves twice. The profiled model's own per-node times (``Calibration.nodes``) are
+used when that same graph is compiled. A non-negative least-squares fit of
+``t = overhead + flops · s_flop + bytes · s_byte`` over all (node, micro-batch) points, one for
+forward and one for backward, gives constants for any other model on the same device.
 """
 
 from __future__ import annotations
@@ -14,24 +18,27 @@ import itertools
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from torch import fx
+from torch import fx, nn
 
 from pipec.annotate import COMPUTE_OPS, MEASURED_BATCHES, CostGraph, annotate
-from pipec.costmodel import Calibration, Fit
+from pipec.costmodel import Calibration, Fit, NodeTiming
 from pipec.errors import ConfigError, TraceError
 from pipec.loader import load_model_file
-from pipec.trace import batch_inputs, trace_model
+from pipec.normalize import plan_norms
+from pipec.trace import Traced, batch_inputs, trace_model
 
 log = logging.getLogger(__name__)
 
 PROFILE_SIZES = (1, 2, 4, 8, 16, 32, 64)
+PROFILE_NORMS = ("group", "keep")
 
 
 @dataclass(frozen=True)
@@ -47,32 +54,46 @@ class Sample:
     bwd_s: float
 
 
-def profile_model(model: Path, batch_size: int, device: str = "cpu",
-                  repeats: int = 5) -> tuple[Calibration, tuple[Sample, ...]]:
+def profile_model(model: Path, batch_size: int, device: str = "cpu", repeats: int = 10,
+                  norm: str = "group") -> tuple[Calibration, tuple[Sample, ...]]:
+    """Time ``model`` at micro-batch sizes 1, 2, 4, … up to ``batch_size``. ``norm``: "group"
+    times each BatchNorm as the GroupNorm a pipelined plan runs (`--norm auto`), "keep" as is."""
     target = _device(device)
+    if norm not in PROFILE_NORMS:
+        raise ConfigError(f"--norm {norm!r}: use group (as pipelined plans run) or keep")
     spec = load_model_file(model)
+    traced = _fx_trace(spec)
+    graph = annotate(traced, [batch_inputs(spec, size)[0] for size in MEASURED_BATCHES])
+    torch.manual_seed(0)
+    real = fx.symbolic_trace(spec.build_model())
+    if norm == "group":
+        _to_group_norms(real, traced, graph)
+    real = real.to(target).train()
+    sizes = [s for s in PROFILE_SIZES if s <= batch_size] or [batch_size]
+    inputs = {size: tuple(t.to(target) for t in batch_inputs(spec, size)[0]) for size in sizes}
+    seconds = _time_in_context(real, inputs, repeats, target)
+    samples = [sample for size in sizes for sample in _samples(graph, size, seconds[size])]
+    forward = _fit([(s.fwd_flops, s.moved_bytes) for s in samples], [s.fwd_s for s in samples])
+    backward = _fit([(s.bwd_flops, s.moved_bytes) for s in samples], [s.bwd_s for s in samples])
+    return Calibration(target.type, forward, backward, _timings(graph, samples)), tuple(samples)
+
+
+def _fx_trace(spec: Any) -> Traced:
     try:
-        traced = trace_model(spec, "fx")
+        return trace_model(spec, "fx")
     except TraceError as exc:
         message = str(exc).removesuffix("; try --frontend export")
         raise TraceError(f"{message}; pipec profile times the torch.fx graph, so it needs a model "
                          "fx can trace: compile this one without --calibration") from None
-    graph = annotate(traced, [batch_inputs(spec, size)[0] for size in MEASURED_BATCHES])
-    torch.manual_seed(0)
-    real = fx.symbolic_trace(spec.build_model()).to(target).train()
-    samples: list[Sample] = []
-    engine_s = _backward_call_s(repeats, target)
-    for size in [s for s in PROFILE_SIZES if s <= batch_size] or [batch_size]:
-        samples += _time_nodes(real, graph, _inputs(spec, size, target), size, repeats,
-                               target, engine_s)
-        log.info("profiled micro-batch %d", size)
-    forward = _fit([(s.fwd_flops, s.moved_bytes) for s in samples], [s.fwd_s for s in samples])
-    backward = _fit([(s.bwd_flops, s.moved_bytes) for s in samples], [s.bwd_s for s in samples])
-    return Calibration(target.type, forward, backward), tuple(samples)
 
 
-def _inputs(spec: Any, size: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-    return tuple(t.to(device) for t in batch_inputs(spec, size)[0])
+def _to_group_norms(real: fx.GraphModule, traced: Traced, graph: CostGraph) -> None:
+    """Swap each BatchNorm for the GroupNorm `--norm auto` gives a pipelined plan."""
+    for rewrite in plan_norms(traced, graph, 2, 1, 1, "group").rewrites:
+        parent, _, name = rewrite.module.rpartition(".")
+        batch_norm = real.get_submodule(rewrite.module)
+        setattr(real.get_submodule(parent), name, nn.GroupNorm(
+            rewrite.groups or 1, rewrite.channels, eps=batch_norm.eps, affine=batch_norm.affine))
 
 
 def _device(name: str) -> torch.device:
@@ -83,88 +104,146 @@ def _device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _backward_call_s(repeats: int, device: torch.device) -> float:
-    """The fixed cost of one `backward()` call (starting autograd's engine). Timing a node
-    alone pays it once per node; a training step pays it once per stage, so it is taken off."""
-    def prepare() -> Any:
-        return ((torch.ones(1, device=device, requires_grad=True),), {})
-    forward, both = _timers(lambda x: x * 1)
-    return max(_fastest_s(prepare, both, repeats * 4, device)
-               - _fastest_s(prepare, forward, repeats * 4, device), 0.0)
+class _Clock:
+    """The timestamps of one training pass: after each node's forward, and when each node's
+    output gradient is complete, that is, when its backward starts."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.forward: list[tuple[float, float]] = []  # (node ended, stamp done)
+        self.backward: list[tuple[int, float]] = []
+
+    def now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def stamp(self, value: Any, index: int) -> Any:
+        """Record the end of node ``index``'s forward; the time this takes (registering the
+        hooks) is left out of the next node's, which starts counting when it returns."""
+        ended = self.now()
+        for tensor in _flat(value):
+            if tensor.requires_grad:
+                tensor.register_hook(lambda _, i=index: self.backward.append((i, self.now())))
+        self.forward.append((ended, self.now()))
+        return value
 
 
-def _time_nodes(gm: fx.GraphModule, graph: CostGraph, inputs: tuple[torch.Tensor, ...],
-                size: int, repeats: int, device: torch.device,
-                engine_s: float) -> list[Sample]:
-    env = _values(gm, inputs)
-    grads = {v.name: v.requires_grad for v in graph.values}
-    costs = {n.name: n for n in graph.nodes}
-    samples = []
-    for n in (n for n in gm.graph.nodes if n.op in COMPUTE_OPS):
-        call = _callable(gm, n)
-        args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: env[a.name])
-        forward_s, both_s = _time_node(call, args, kwargs, grads, n, repeats, device)
-        cost = costs[n.name]
-        samples.append(Sample(n.name, size, cost.fwd_flops.at(size), cost.bwd_flops.at(size),
-                              cost.output_bytes.at(size) + cost.param_bytes, forward_s,
-                              max(both_s - forward_s - engine_s, 0.0)))
-    return samples
+_CLOCK: list[_Clock] = []  # the clock of the pass in progress
 
 
-def _values(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...]) -> dict[str, Any]:
-    """Every node's value on real data (no autograd)."""
-    values: dict[str, Any] = {}
-
-    class Recorder(fx.Interpreter):
-        def run_node(self, n: fx.Node) -> Any:
-            values[n.name] = super().run_node(n)
-            return values[n.name]
-
-    with torch.no_grad():
-        Recorder(gm).run(*inputs)
-    return values
+def _stamp(value: Any, index: int) -> Any:
+    """Called by the instrumented graph after compute node ``index``."""
+    return _CLOCK[-1].stamp(value, index)
 
 
-def _callable(gm: fx.GraphModule, n: fx.Node) -> Callable[..., Any]:
-    if n.op == "call_module":
-        return gm.get_submodule(str(n.target))  # type: ignore[no-any-return]
-    if n.op == "call_method":
-        return lambda self, *args, **kwargs: getattr(self, str(n.target))(*args, **kwargs)
-    return n.target  # type: ignore[return-value, no-any-return]
+@contextmanager
+def _running(clock: _Clock) -> Iterator[None]:
+    _CLOCK.append(clock)
+    try:
+        yield
+    finally:
+        _CLOCK.pop()
 
 
-def _time_node(call: Callable[..., Any], args: Any, kwargs: Any, grads: dict[str, bool],
-               n: fx.Node, repeats: int, device: torch.device) -> tuple[float, float]:
-    """Seconds of the node's forward, and of its forward and backward (fastest runs)."""
-    producers = [a.name for a in n.all_input_nodes]
-
-    needs_grad = any(grads.get(p, False) for p in producers)
-
-    def leaves() -> Any:
-        """Fresh copies of the inputs (in-place ops must not touch the recorded values)."""
-        def leaf(value: Any) -> Any:
-            if isinstance(value, torch.Tensor) and value.is_floating_point():
-                return value.detach().clone().requires_grad_(needs_grad)
-            return value
-        return fx.node.map_aggregate((args, kwargs), leaf)
-
-    forward, both = _timers(call)
-    return (_fastest_s(leaves, forward, repeats, device),
-            _fastest_s(leaves, both, repeats, device))
+def _instrumented(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` (sharing its modules) with a `_stamp` after every compute node."""
+    graph = fx.Graph()
+    values: dict[fx.Node, fx.Node] = {}
+    index = 0
+    for node in gm.graph.nodes:
+        values[node] = graph.node_copy(node, lambda n: values[n])
+        if node.op in COMPUTE_OPS:
+            values[node] = graph.call_function(_stamp, (values[node], index))
+            index += 1
+    return fx.GraphModule(gm, graph)
 
 
-def _timers(call: Callable[..., Any]) -> tuple[Callable[[Any], None], Callable[[Any], None]]:
-    """Run ``call`` on prepared (args, kwargs): forward alone (recording autograd, as in
-    training), and forward then backward."""
-    def forward(prepared: Any) -> None:
-        call(*prepared[0], **prepared[1])
+def _time_in_context(gm: fx.GraphModule, inputs: dict[int, tuple[torch.Tensor, ...]],
+                     repeats: int, device: torch.device) -> dict[int, np.ndarray]:
+    """Seconds of every compute node in a training pass at each micro-batch size: shape
+    (2, nodes), forward then backward, the median of ``repeats`` passes after a warm-up.
 
-    def both(prepared: Any) -> None:
-        outputs = [t for t in _flat(call(*prepared[0], **prepared[1])) if t.requires_grad]
+    The sizes take turns, so that a machine whose speed drifts (a shared or virtual one) drifts
+    under all of them alike. The stamps and hooks cost time of their own (a few microseconds
+    per node, more than a small node's work on a CPU): plain passes, alternated with the
+    instrumented ones, give the real forward and backward totals, and the difference is taken
+    off the nodes evenly.
+    """
+    instrumented = _instrumented(gm)
+    nodes = sum(n.op in COMPUTE_OPS for n in gm.graph.nodes)
+    timed: dict[int, list[np.ndarray]] = {size: [] for size in inputs}
+    plain: dict[int, list[np.ndarray]] = {size: [] for size in inputs}
+    for repeat in range(repeats + 1):
+        for size, batch in inputs.items():
+            timed[size].append(_one_pass(instrumented, batch, nodes, device))
+            plain[size].append(_one_pass(gm, batch, 0, device))
+        log.info("profiled pass %d of %d at micro-batch sizes %s", repeat, repeats,
+                 ", ".join(map(str, inputs)))
+    return {size: _corrected(np.median(timed[size][1:], axis=0),
+                             np.median(plain[size][1:], axis=0)) for size in inputs}
+
+
+def _corrected(per_node: np.ndarray, totals: np.ndarray) -> np.ndarray:
+    return np.stack([_even_correction(per_node[k], float(totals[k])) for k in range(2)])
+
+
+def _even_correction(seconds: np.ndarray, total: float) -> np.ndarray:
+    """``seconds`` shifted by the same amount per timed node (never below zero) to sum to
+    ``total``."""
+    timed = seconds > 0
+    if not timed.any():
+        return seconds
+    shift = (total - seconds.sum()) / timed.sum()
+    return np.where(timed, np.maximum(seconds + shift, 0.0), 0.0)
+
+
+def _one_pass(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...], nodes: int,
+              device: torch.device) -> np.ndarray:
+    """One forward and backward of ``gm``: per node if it is instrumented (``nodes`` > 0),
+    else the two totals, shape (2,)."""
+    clock = _Clock(device)
+    with _running(clock):
+        started = clock.now()
+        outputs = [t for t in _flat(gm(*inputs)) if t.requires_grad]
+        backward_started = clock.now()
         if outputs:
             torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
+        ended = clock.now()
+    gm.zero_grad(set_to_none=True)
+    if not nodes:
+        return np.array([backward_started - started, ended - backward_started])
+    # The nodes run in graph order, once each: a node's forward runs from the previous stamp's
+    # return to its own stamp.
+    starts = [started, *(done for _, done in clock.forward[:-1])]
+    forward = np.array([done - start for (done, _), start in zip(clock.forward, starts,
+                                                                   strict=True)])
+    return np.stack([forward, _backward_seconds(clock.backward, ended, nodes)])
 
-    return forward, both
+
+def _backward_seconds(ready: list[tuple[int, float]], ended: float, nodes: int) -> np.ndarray:
+    """Each interval between gradient-ready events goes to the node whose event opens it:
+    autograd's engine runs that node's backward next (it runs the latest-created ready
+    function first, and a node's own functions were created together)."""
+    seconds = np.zeros(nodes)
+    for (index, at), (_, following) in zip(ready, [*ready[1:], (-1, ended)], strict=True):
+        seconds[index] += following - at
+    return seconds
+
+
+def _samples(graph: CostGraph, size: int, seconds: np.ndarray) -> list[Sample]:
+    return [Sample(n.name, size, n.fwd_flops.at(size), n.bwd_flops.at(size),
+                   n.output_bytes.at(size) + n.param_bytes, float(seconds[0, i]),
+                   float(seconds[1, i])) for i, n in enumerate(graph.nodes)]
+
+
+def _timings(graph: CostGraph, samples: list[Sample]) -> tuple[NodeTiming, ...]:
+    by_node: dict[str, list[Sample]] = {}
+    for sample in samples:
+        by_node.setdefault(sample.node, []).append(sample)
+    return tuple(NodeTiming(n.name, n.target, tuple(s.micro_batch for s in by_node[n.name]),
+                            tuple(s.fwd_s for s in by_node[n.name]),
+                            tuple(s.bwd_s for s in by_node[n.name])) for n in graph.nodes)
 
 
 def _flat(value: Any) -> list[torch.Tensor]:
@@ -173,30 +252,6 @@ def _flat(value: Any) -> list[torch.Tensor]:
     if isinstance(value, tuple | list):
         return [t for v in value for t in _flat(v)]
     return []
-
-
-def _fastest_s(prepare: Callable[[], Any], run: Callable[[Any], None], repeats: int,
-               device: torch.device) -> float:
-    """Fastest of ``repeats`` runs of ``run`` after a warm-up; ``prepare`` is not timed.
-
-    The fastest, not the median: on a shared machine interference only adds time, and the
-    time a workload takes undisturbed is what the model predicts.
-    """
-    run(prepare())
-    times = []
-    for _ in range(repeats):
-        prepared = prepare()
-        _sync(device)
-        started = time.perf_counter()
-        run(prepared)
-        _sync(device)
-        times.append(time.perf_counter() - started)
-    return min(times)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _fit(features: list[tuple[float, float]], seconds: list[float]) -> Fit:
@@ -242,6 +297,9 @@ def save_calibration(calibration: Calibration, path: Path) -> None:
 def load_calibration(path: Path) -> Calibration:
     try:
         data = json.loads(path.read_text())
-        return Calibration(str(data["device"]), Fit(**data["forward"]), Fit(**data["backward"]))
+        nodes = tuple(NodeTiming(t["node"], t["target"], tuple(t["sizes"]), tuple(t["fwd_s"]),
+                                 tuple(t["bwd_s"])) for t in data.get("nodes", ()))
+        return Calibration(str(data["device"]), Fit(**data["forward"]), Fit(**data["backward"]),
+                           nodes)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ConfigError(f"calibration file {path}: {exc}; make one with pipec profile") from None

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pipec import __version__
-from pipec.calibrate import load_calibration, profile_model, save_calibration
+from pipec.calibrate import PROFILE_NORMS, load_calibration, profile_model, save_calibration
 from pipec.compare import compare
 from pipec.compare import render as render_comparison
 from pipec.costmodel import Fit, Training
@@ -140,14 +140,21 @@ def _run_compare(args: argparse.Namespace) -> int:
 
 def _add_profile(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = commands.add_parser("profile", help="time a model on this machine and fit the cost model",
-                            description="Run MODEL on this machine's device at several "
-                            "micro-batch sizes, time every node forward and backward, and fit "
-                            "the time model's constants for pipec compile --calibration.")
+                            description="Run MODEL's training passes on this machine's "
+                            "device at several micro-batch sizes, time every node forward and "
+                            "backward in context, and fit the time model's constants. "
+                            "pipec compile --calibration uses the node times for this model and "
+                            "the constants for any other. Profile with the OMP_NUM_THREADS the "
+                            "training will use.")
     p.add_argument("model", type=Path, help="model file defining build_model() and sample_batch()")
     p.add_argument("--batch-size", type=int, default=16,
                    help="largest micro-batch to time; powers of two up to it (16)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (cpu)")
-    p.add_argument("--repeats", type=int, default=5, help="timed runs per node, fastest (5)")
+    p.add_argument("--repeats", type=int, default=10,
+                   help="timed passes per micro-batch size; the median is kept (10)")
+    p.add_argument("--norm", choices=PROFILE_NORMS, default="group",
+                   help="time each BatchNorm as the GroupNorm pipelined plans run (group), or "
+                   "as it is (keep)")
     p.add_argument("-o", "--out", type=Path, default=Path("calibration.json"),
                    help="calibration file to write (calibration.json)")
     p.add_argument("-v", "--verbose", action="store_true", help="log progress")
@@ -158,10 +165,13 @@ def _run_profile(args: argparse.Namespace) -> int:
     if args.batch_size < 1 or args.repeats < 1:
         raise ConfigError(f"--batch-size {args.batch_size} and --repeats {args.repeats} must be "
                           "positive")
-    calibration, samples = profile_model(args.model, args.batch_size, args.device, args.repeats)
+    calibration, _ = profile_model(args.model, args.batch_size, args.device, args.repeats,
+                                   args.norm)
     save_calibration(calibration, args.out)
     forward, backward = calibration.forward, calibration.backward
-    print(f"pipec: wrote {args.out}: {len(samples)} node timings on {calibration.device}; "
+    sizes = ", ".join(map(str, calibration.nodes[0].sizes)) if calibration.nodes else "none"
+    print(f"pipec: wrote {args.out}: {len(calibration.nodes)} nodes timed on "
+          f"{calibration.device} at micro-batch sizes {sizes}; fitted "
           f"forward {forward.overhead_s * 1e6:.1f} µs/node + {_rate(forward)}, backward "
           f"{backward.overhead_s * 1e6:.1f} µs/node + {_rate(backward)}")
     return 0

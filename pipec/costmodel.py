@@ -8,7 +8,7 @@ A boundary costs ``latency + bytes / link bandwidth`` forward and the same again
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -49,13 +49,49 @@ class Fit:
 
 
 @dataclass(frozen=True)
+class NodeTiming:
+    """One node's measured seconds, in the context of its model's training pass, at each
+    profiled micro-batch size (ascending)."""
+
+    node: str
+    target: str
+    sizes: tuple[int, ...]
+    fwd_s: tuple[float, ...]
+    bwd_s: tuple[float, ...]
+
+    def at(self, micro_batch: int) -> tuple[float, float]:
+        return _interpolate(self.sizes, self.fwd_s, micro_batch), _interpolate(
+            self.sizes, self.bwd_s, micro_batch)
+
+
+@dataclass(frozen=True)
 class Calibration:
-    """Forward and backward time models fitted to one device's measurements (`pipec profile`);
-    they replace the preset's roofline for compute time."""
+    """Time measured on one device (`pipec profile`); it replaces the preset's roofline for
+    compute time. ``nodes``: the profiled model's own per-node timings, used when the compiled
+    graph is that model's; other graphs get the forward and backward fits."""
 
     device: str
     forward: Fit
     backward: Fit
+    nodes: tuple[NodeTiming, ...] = ()
+
+    def bind(self, graph: CostGraph) -> Calibration:
+        """This calibration for ``graph``: its node timings kept only if they are of ``graph``
+        (the same nodes, in the same order)."""
+        same = [(n.name, n.target) for n in graph.nodes] == [(t.node, t.target)
+                                                             for t in self.nodes]
+        return self if same else replace(self, nodes=())
+
+
+def _interpolate(sizes: tuple[int, ...], seconds: tuple[float, ...], micro_batch: int) -> float:
+    """Piecewise linear in the micro-batch size; past the largest size, the last segment's
+    slope continues (time per sample is steady at large sizes)."""
+    if micro_batch <= sizes[-1] or len(sizes) == 1:
+        if len(sizes) == 1:
+            return seconds[0] * micro_batch / sizes[0]
+        return float(np.interp(micro_batch, sizes, seconds))
+    slope = max((seconds[-1] - seconds[-2]) / (sizes[-1] - sizes[-2]), 0.0)
+    return seconds[-1] + slope * (micro_batch - sizes[-1])
 
 
 @dataclass(frozen=True)
@@ -84,14 +120,25 @@ def node_arrays(graph: CostGraph, device: Device, micro_batch: int, training: Tr
     fwd = np.maximum(fwd_flops / flops_rate, moved / device.memory_bandwidth) + overhead
     bwd = np.maximum(bwd_flops / flops_rate, 2 * moved / device.memory_bandwidth) + overhead
     if calibration is not None:
-        fwd = calibration.forward.seconds(fwd_flops, moved)
-        bwd = calibration.backward.seconds(bwd_flops, moved)
+        fwd, bwd = _calibrated(graph, calibration, micro_batch, fwd_flops, bwd_flops, moved)
     shared = np.array([n.shared_bytes for n in graph.nodes], dtype=float)
     static = ((param_bytes + shared) * static_ratio(training)
               + np.array([n.buffer_bytes for n in graph.nodes], dtype=float))
     cut_bytes = np.array([c.at(micro_batch) for c in graph.cut_bytes]) * ratio
     cut_bytes[0] = cut_bytes[-1] = 0.0  # the graph's ends send nothing
     return NodeArrays(fwd, bwd, static, saved_bytes, cut_bytes)
+
+
+def _calibrated(graph: CostGraph, calibration: Calibration, micro_batch: int,
+                fwd_flops: np.ndarray, bwd_flops: np.ndarray, moved: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """Forward and backward seconds per node: measured on this graph, or fitted."""
+    timings = calibration.bind(graph).nodes
+    if timings:
+        fwd, bwd = zip(*(t.at(micro_batch) for t in timings), strict=True)
+        return np.array(fwd), np.array(bwd)
+    return (calibration.forward.seconds(fwd_flops, moved),
+            calibration.backward.seconds(bwd_flops, moved))
 
 
 def boundary_s(cut_bytes: np.ndarray, device: Device, inter_node: bool) -> np.ndarray:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pipec.annotate import MEASURED_BATCHES, CostGraph, annotate
@@ -60,7 +60,19 @@ def analyze(options: CompileOptions) -> Analyzed:
     spec = load_model_file(options.model)
     traced = trace_model(spec, options.frontend)
     graph = annotate(traced, [batch_inputs(spec, size)[0] for size in MEASURED_BATCHES])
-    return Analyzed(spec, traced, graph, request)
+    return Analyzed(spec, traced, graph, _bind_calibration(request, graph))
+
+
+def _bind_calibration(request: PlanRequest, graph: CostGraph) -> PlanRequest:
+    """Keep the calibration's per-node times only if they were measured on this graph."""
+    calibration = request.calibration
+    if calibration is None or not calibration.nodes:
+        return request
+    bound = calibration.bind(graph)
+    if not bound.nodes:
+        log.warning("the calibration's node times were measured on another model (or another "
+                    "front end's graph); using its fitted constants instead")
+    return replace(request, calibration=bound)
 
 
 def compile_model(options: CompileOptions) -> tuple[Plan, Emitted]:

@@ -29,7 +29,7 @@ from pipec.costmodel import usable_memory
 from pipec.errors import OutputError
 from pipec.loader import ModelSpec
 from pipec.normalize import NormPlan
-from pipec.planner import Plan
+from pipec.planner import Plan, PlanRequest
 from pipec.report import (
     baseline_table,
     max_batch_table,
@@ -100,6 +100,7 @@ def plan_dict(plan: Plan, norms: NormPlan, traced: Traced) -> dict[str, Any]:
         "hardware": request.hardware, "optimizer": request.training.optimizer,
         "precision": request.training.precision, "frontend": traced.frontend,
         "calibration": request.calibration.device if request.calibration else None,
+        "calibration_node_times": bool(request.calibration and request.calibration.nodes),
         "inputs": list(traced.input_names),
         "stages": [{
             "index": s.index, "modules": list(s.modules), "params": s.params,
@@ -169,9 +170,19 @@ def _context(spec: ModelSpec, traced: Traced, plan: Plan, norms: NormPlan) -> di
         "predicted_iteration": _duration(plan.iteration_s),
         "predicted_throughput": f"{plan.samples_per_s:,.1f}",
         "predicted_bubble": f"{plan.simulation.bubble:.1%}",
+        "time_source": _time_source(request),
         "run_commands": run_commands(plan), "norm_choice": norms.choice,
         "plan_id": plan_id(plan_dict(plan, norms, traced)),
     }
+
+
+def _time_source(request: PlanRequest) -> str:
+    calibration = request.calibration
+    if calibration is None:
+        return f"the `{request.hardware}` roofline"
+    if calibration.nodes:
+        return f"this model's node times measured by `pipec profile` ({calibration.device})"
+    return f"constants fitted by `pipec profile` ({calibration.device})"
 
 
 def _stage_context(plan: Plan, norms: NormPlan, staged: Staged) -> dict[str, Any]:

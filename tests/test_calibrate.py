@@ -10,9 +10,24 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import SAMPLES, compile_to
-from pipec.calibrate import _fit, load_calibration, profile_model, save_calibration
+from torch import fx, nn
+
+from conftest import MODELS, SAMPLES, compile_to
+from pipec.annotate import MEASURED_BATCHES, annotate
+from pipec.calibrate import (
+    _backward_seconds,
+    _even_correction,
+    _fit,
+    _to_group_norms,
+    load_calibration,
+    profile_model,
+    save_calibration,
+)
+from pipec.costmodel import Calibration, Fit, NodeTiming
 from pipec.errors import ConfigError
+from pipec.loader import load_model_file
+from pipec.normalize import plan_norms
+from pipec.trace import batch_inputs, trace_model
 
 
 def test_fit_recovers_known_constants() -> None:
@@ -36,14 +51,99 @@ def test_fit_never_goes_negative() -> None:
 def test_profile_measures_every_node_and_round_trips(tmp_path: Path) -> None:
     calibration, samples = profile_model(SAMPLES / "mlp.py", 4, repeats=2)
     assert {s.micro_batch for s in samples} == {1, 2, 4}
-    assert len(samples) == 3 * 11 and all(s.fwd_s > 0 for s in samples)
+    assert len(samples) == 3 * 11 and all(s.fwd_s >= 0 and s.bwd_s >= 0 for s in samples)
     assert calibration.device == "cpu"
+    assert [t.node for t in calibration.nodes] == [f"_{i}" for i in range(11)]
+    assert all(t.sizes == (1, 2, 4) for t in calibration.nodes)
     # The least-squares fit explains the measurements it came from (which coefficient carries
     # the time varies with the machine's noise: FLOPs and bytes grow together in an MLP).
-    predicted = sum(calibration.forward.seconds(s.fwd_flops, s.moved_bytes) for s in samples)
+    predicted = sum(calibration.forward.seconds(s.fwd_flops, s.moved_bytes)  # type: ignore[arg-type]
+                    for s in samples)
     assert 0.5 < predicted / sum(s.fwd_s for s in samples) < 2
     save_calibration(calibration, tmp_path / "c.json")
     assert load_calibration(tmp_path / "c.json") == calibration
+
+
+def test_profile_gives_each_node_its_own_time() -> None:
+    # One node sleeps 20 ms forward and 40 ms backward; the others take microseconds.
+    calibration, _ = profile_model(MODELS / "slow_node.py", 2, repeats=2)
+    times = {t.node: t for t in calibration.nodes}
+    assert list(times) == ["first", "slow", "relu", "last"]
+    for size in range(2):
+        assert 0.018 < times["slow"].fwd_s[size] < 0.03
+        assert 0.038 < times["slow"].bwd_s[size] < 0.055
+        for other in ("first", "relu", "last"):
+            assert times[other].fwd_s[size] + times[other].bwd_s[size] < 0.01
+
+
+def test_backward_intervals_go_to_the_node_whose_gradient_opened_them() -> None:
+    seconds = _backward_seconds([(2, 1.0), (1, 1.5), (2, 1.75), (0, 2.0)], 3.0, 4)
+    assert list(seconds) == [1.0, 0.25, 0.75, 0.0]
+
+
+def test_even_correction_keeps_untimed_nodes_and_never_goes_negative() -> None:
+    corrected = _even_correction(np.array([0.004, 0.0, 0.001, 0.007]), 0.009)
+    assert list(corrected) == pytest.approx([0.003, 0.0, 0.0, 0.006])
+    assert list(_even_correction(np.zeros(3), 1.0)) == [0.0, 0.0, 0.0]
+
+
+def test_node_times_interpolate_and_extrapolate() -> None:
+    timing = NodeTiming("n", "t", (1, 2, 4), (1.0, 2.0, 3.0), (2.0, 4.0, 8.0))
+    assert timing.at(2) == (2.0, 4.0)
+    assert timing.at(3) == (2.5, 6.0)
+    assert timing.at(8) == (5.0, 16.0)  # the last segment's slope continues
+    assert NodeTiming("n", "t", (4,), (1.0,), (3.0,)).at(8) == (2.0, 6.0)
+
+
+def _synthetic(graph_model: Path, fit: Fit) -> Calibration:
+    """Made-up node times for ``graph_model``: node i takes i ms per sample forward, 2i back."""
+    spec = load_model_file(graph_model)
+    graph = annotate(trace_model(spec), [batch_inputs(spec, s)[0] for s in MEASURED_BATCHES])
+    return Calibration("cpu", fit, fit, tuple(
+        NodeTiming(n.name, n.target, (1, 4), (i * 1e-3, i * 4e-3), (i * 2e-3, i * 8e-3))
+        for i, n in enumerate(graph.nodes)))
+
+
+def test_compile_uses_the_profiled_models_own_node_times(tmp_path: Path) -> None:
+    save_calibration(_synthetic(SAMPLES / "mlp.py", Fit(1.0, 0.0, 0.0)), tmp_path / "c.json")
+    plan = compile_to(SAMPLES / "mlp.py", tmp_path / "o", gpus=2, batch_size=8,
+                      micro_batch=2, calibration=tmp_path / "c.json")
+    for stage in plan.stages:
+        # node i at micro-batch 2: 2i ms forward + 4i ms backward
+        expected = sum(6 * i * 1e-3 for i in range(stage.start, stage.end))
+        assert stage.compute_s == pytest.approx(expected)
+    assert json.loads((tmp_path / "o" / "plan.json").read_text())["calibration_node_times"]
+    assert "node times measured by `pipec profile`" in (tmp_path / "o" / "report.md").read_text()
+
+
+def test_another_models_node_times_fall_back_to_the_fit(tmp_path: Path,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    fit = Fit(1e-3, 0.0, 0.0)  # 1 ms per node
+    save_calibration(_synthetic(SAMPLES / "mlp.py", fit), tmp_path / "c.json")
+    plan = compile_to(MODELS / "dropout_mlp.py", tmp_path / "o", gpus=2, batch_size=8,
+                      calibration=tmp_path / "c.json")
+    assert "measured on another model" in caplog.text
+    for stage in plan.stages:
+        assert stage.compute_s == pytest.approx(2e-3 * (stage.end - stage.start))
+    assert not json.loads((tmp_path / "o" / "plan.json").read_text())["calibration_node_times"]
+
+
+def test_profile_times_batch_norms_as_the_group_norms_pipelines_run() -> None:
+    spec = load_model_file(SAMPLES / "resnet.py")
+    traced = trace_model(spec)
+    graph = annotate(traced, [batch_inputs(spec, s)[0] for s in MEASURED_BATCHES])
+    real = fx.symbolic_trace(spec.build_model())
+    _to_group_norms(real, traced, graph)
+    expected = plan_norms(traced, graph, 2, 1, 1, "group").rewrites
+    assert expected and all(isinstance(real.get_submodule(r.module), nn.GroupNorm)
+                            and real.get_submodule(r.module).num_groups == r.groups
+                            for r in expected)
+    assert not any(isinstance(m, nn.BatchNorm2d) for m in real.modules())
+
+
+def test_unknown_profile_norm() -> None:
+    with pytest.raises(ConfigError, match="--norm 'sync'"):
+        profile_model(SAMPLES / "mlp.py", 2, norm="sync")
 
 
 def test_cli_profile_then_compile_with_calibration(tmp_path: Path) -> None:
@@ -52,7 +152,7 @@ def test_cli_profile_then_compile_with_calibration(tmp_path: Path) -> None:
                              "--repeats", "2", "-o", str(tmp_path / "c.json")],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
-    assert "node timings on cpu" in result.stdout
+    assert "11 nodes timed on cpu at micro-batch sizes 1, 2" in result.stdout
     default = compile_to(SAMPLES / "mlp.py", tmp_path / "a", gpus=2, batch_size=16)
     calibrated = compile_to(SAMPLES / "mlp.py", tmp_path / "b", gpus=2, batch_size=16,
                             calibration=tmp_path / "c.json")
