@@ -71,11 +71,12 @@ def profile_model(model: Path, batch_size: int, device: str = "cpu", repeats: in
     real = real.to(target).train()
     sizes = [s for s in PROFILE_SIZES if s <= batch_size] or [batch_size]
     inputs = {size: tuple(t.to(target) for t in batch_inputs(spec, size)[0]) for size in sizes}
-    seconds = _time_in_context(real, inputs, repeats, target)
+    seconds, overhead = _time_in_context(real, inputs, repeats, target)
     samples = [sample for size in sizes for sample in _samples(graph, size, seconds[size])]
     forward = _fit([(s.fwd_flops, s.moved_bytes) for s in samples], [s.fwd_s for s in samples])
     backward = _fit([(s.bwd_flops, s.moved_bytes) for s in samples], [s.bwd_s for s in samples])
-    return Calibration(target.type, forward, backward, _timings(graph, samples)), tuple(samples)
+    return (Calibration(target.type, forward, backward, _timings(graph, samples), overhead),
+            tuple(samples))
 
 
 def _fx_trace(spec: Any) -> Traced:
@@ -160,28 +161,46 @@ def _instrumented(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def _time_in_context(gm: fx.GraphModule, inputs: dict[int, tuple[torch.Tensor, ...]],
-                     repeats: int, device: torch.device) -> dict[int, np.ndarray]:
-    """Seconds of every compute node in a training pass at each micro-batch size: shape
-    (2, nodes), forward then backward, the median of ``repeats`` passes after a warm-up.
+                     repeats: int, device: torch.device
+                     ) -> tuple[dict[int, np.ndarray], tuple[float, float]]:
+    """Seconds of every compute node in a training pass at each micro-batch size, shape
+    (2, nodes), forward then backward, the median of ``repeats`` passes after a warm-up; and
+    the fixed cost of one pass (forward, backward), which each stage pays once.
 
     The sizes take turns, so that a machine whose speed drifts (a shared or virtual one) drifts
     under all of them alike. The stamps and hooks cost time of their own (a few microseconds
     per node, more than a small node's work on a CPU): plain passes, alternated with the
-    instrumented ones, give the real forward and backward totals, and the difference is taken
-    off the nodes evenly.
+    instrumented ones, give the real forward and backward totals; less the fixed cost, the
+    difference is taken off the nodes evenly.
     """
-    instrumented = _instrumented(gm)
+    instrumented, trivial = _instrumented(gm), _Trivial().to(device)
     nodes = sum(n.op in COMPUTE_OPS for n in gm.graph.nodes)
     timed: dict[int, list[np.ndarray]] = {size: [] for size in inputs}
     plain: dict[int, list[np.ndarray]] = {size: [] for size in inputs}
+    fixed: list[np.ndarray] = []
     for repeat in range(repeats + 1):
         for size, batch in inputs.items():
             timed[size].append(_one_pass(instrumented, batch, nodes, device))
             plain[size].append(_one_pass(gm, batch, 0, device))
+            fixed.append(_one_pass(trivial, (torch.ones(1, device=device),), 0, device))
         log.info("profiled pass %d of %d at micro-batch sizes %s", repeat, repeats,
                  ", ".join(map(str, inputs)))
-    return {size: _corrected(np.median(timed[size][1:], axis=0),
-                             np.median(plain[size][1:], axis=0)) for size in inputs}
+    overhead = np.median(fixed[len(inputs):], axis=0)
+    seconds = {size: _corrected(np.median(timed[size][1:], axis=0),
+                                np.median(plain[size][1:], axis=0) - overhead)
+               for size in inputs}
+    return seconds, (float(overhead[0]), float(overhead[1]))
+
+
+class _Trivial(nn.Module):
+    """A stage with next to no work: timing it gives the fixed cost of a pass."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
 
 
 def _corrected(per_node: np.ndarray, totals: np.ndarray) -> np.ndarray:
@@ -198,7 +217,7 @@ def _even_correction(seconds: np.ndarray, total: float) -> np.ndarray:
     return np.where(timed, np.maximum(seconds + shift, 0.0), 0.0)
 
 
-def _one_pass(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...], nodes: int,
+def _one_pass(gm: nn.Module, inputs: tuple[torch.Tensor, ...], nodes: int,
               device: torch.device) -> np.ndarray:
     """One forward and backward of ``gm``: per node if it is instrumented (``nodes`` > 0),
     else the two totals, shape (2,)."""
@@ -299,7 +318,8 @@ def load_calibration(path: Path) -> Calibration:
         data = json.loads(path.read_text())
         nodes = tuple(NodeTiming(t["node"], t["target"], tuple(t["sizes"]), tuple(t["fwd_s"]),
                                  tuple(t["bwd_s"])) for t in data.get("nodes", ()))
+        overhead = tuple(map(float, data.get("stage_overhead_s", (0.0, 0.0))))
         return Calibration(str(data["device"]), Fit(**data["forward"]), Fit(**data["backward"]),
-                           nodes)
+                           nodes, (overhead[0], overhead[1]))
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ConfigError(f"calibration file {path}: {exc}; make one with pipec profile") from None

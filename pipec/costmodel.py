@@ -74,6 +74,9 @@ class Calibration:
     forward: Fit
     backward: Fit
     nodes: tuple[NodeTiming, ...] = ()
+    # A stage's own cost per micro-batch, forward and backward, besides its nodes' (calling
+    # it, starting autograd's engine): paid once per stage, however the model is split.
+    stage_overhead_s: tuple[float, float] = (0.0, 0.0)
 
     def bind(self, graph: CostGraph) -> Calibration:
         """This calibration for ``graph``: its node timings kept only if they are of ``graph``

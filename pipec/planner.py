@@ -166,6 +166,9 @@ class _StageCosts:
     arrays: NodeArrays  # device-independent bytes
     cut_s: np.ndarray  # (stages, n + 1): sending across each cut to the next stage
     capacity: tuple[float, ...]  # per position: usable bytes of its smallest device
+    # What every stage pays per micro-batch besides its nodes (calling it, starting autograd's
+    # engine), forward and backward: the same for all stages, so the partition ignores it.
+    overhead_s: tuple[float, float] = (0.0, 0.0)
 
 
 @dataclass(frozen=True)
@@ -279,7 +282,9 @@ class _Costs:
         arrays = self.nodes(positions[0][0], micro_batch)
         cut = np.stack([self._cut_s(layout, arrays, k) for k in range(layout.stages)])
         capacity = tuple(min(usable_memory(d) for d in devices) for devices in positions)
-        return _StageCosts(fwd + bwd, fwd, bwd, arrays, cut, capacity)
+        calibration = self.request.calibration
+        overhead = calibration.stage_overhead_s if calibration else (0.0, 0.0)
+        return _StageCosts(fwd + bwd, fwd, bwd, arrays, cut, capacity, overhead)
 
     def _cut_s(self, layout: _Layout, arrays: NodeArrays, stage: int) -> np.ndarray:
         """Stage → stage + 1 over the slowest link between the two positions' devices."""
@@ -546,9 +551,19 @@ def _stage_times(e: _Evaluated) -> tuple[list[float], list[float]]:
     """Per stage, one micro-batch's forward and backward, each with half the boundary."""
     sc = e.costs
     spans = list(itertools.pairwise(e.boundaries))
-    fwd = [float(sc.fwd_s[k, a:b].sum() + sc.cut_s[k, b] / 2) for k, (a, b) in enumerate(spans)]
-    bwd = [float(sc.bwd_s[k, a:b].sum() + sc.cut_s[k, b] / 2) for k, (a, b) in enumerate(spans)]
+    fwd = [_stage_fwd_s(sc, k, a, b) + float(sc.cut_s[k, b]) / 2
+           for k, (a, b) in enumerate(spans)]
+    bwd = [_stage_bwd_s(sc, k, a, b) + float(sc.cut_s[k, b]) / 2
+           for k, (a, b) in enumerate(spans)]
     return fwd, bwd
+
+
+def _stage_fwd_s(sc: _StageCosts, k: int, a: int, b: int) -> float:
+    return float(sc.fwd_s[k, a:b].sum()) + sc.overhead_s[0]
+
+
+def _stage_bwd_s(sc: _StageCosts, k: int, a: int, b: int) -> float:
+    return float(sc.bwd_s[k, a:b].sum()) + sc.overhead_s[1]
 
 
 def _micro_batch_count(costs: _Costs, e: _Evaluated, batch: int | None = None) -> int:
@@ -644,7 +659,8 @@ def _stage_plans(costs: _Costs, e: _Evaluated) -> tuple[StagePlan, ...]:
 def _stage_plan(costs: _Costs, e: _Evaluated, k: int, a: int, b: int) -> StagePlan:
     nodes = costs.graph.nodes[a:b]
     m, sc = e.micro_batch, e.costs
-    compute = float(sc.time_s[k, a:b].sum())
+    fwd, bwd = _stage_fwd_s(sc, k, a, b), _stage_bwd_s(sc, k, a, b)
+    compute = fwd + bwd
     return StagePlan(
         index=k, start=a, end=b, modules=_module_names([n.module for n in nodes]),
         params=sum(n.params for n in nodes),
@@ -656,8 +672,8 @@ def _stage_plan(costs: _Costs, e: _Evaluated, k: int, a: int, b: int) -> StagePl
         compute_s=compute,
         boundary_bytes=0.0 if b == len(costs.graph.nodes) else costs.graph.cut_bytes[b].at(m),
         device=k % e.layout.pp,
-        fwd_s=float(sc.fwd_s[k, a:b].sum()),
-        bwd_s=float(sc.bwd_s[k, a:b].sum()),
+        fwd_s=fwd,
+        bwd_s=bwd,
     )
 
 

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from torch import fx, nn
 
 from conftest import MODELS, SAMPLES, compile_to
@@ -55,6 +54,7 @@ def test_profile_measures_every_node_and_round_trips(tmp_path: Path) -> None:
     assert calibration.device == "cpu"
     assert [t.node for t in calibration.nodes] == [f"_{i}" for i in range(11)]
     assert all(t.sizes == (1, 2, 4) for t in calibration.nodes)
+    assert 0 < calibration.stage_overhead_s[0] < 0.01 and 0 < calibration.stage_overhead_s[1] < 0.01
     # The least-squares fit explains the measurements it came from (which coefficient carries
     # the time varies with the machine's noise: FLOPs and bytes grow together in an MLP).
     predicted = sum(calibration.forward.seconds(s.fwd_flops, s.moved_bytes)  # type: ignore[arg-type]
@@ -101,7 +101,7 @@ def _synthetic(graph_model: Path, fit: Fit) -> Calibration:
     graph = annotate(trace_model(spec), [batch_inputs(spec, s)[0] for s in MEASURED_BATCHES])
     return Calibration("cpu", fit, fit, tuple(
         NodeTiming(n.name, n.target, (1, 4), (i * 1e-3, i * 4e-3), (i * 2e-3, i * 8e-3))
-        for i, n in enumerate(graph.nodes)))
+        for i, n in enumerate(graph.nodes)), stage_overhead_s=(1e-4, 3e-4))
 
 
 def test_compile_uses_the_profiled_models_own_node_times(tmp_path: Path) -> None:
@@ -109,9 +109,11 @@ def test_compile_uses_the_profiled_models_own_node_times(tmp_path: Path) -> None
     plan = compile_to(SAMPLES / "mlp.py", tmp_path / "o", gpus=2, batch_size=8,
                       micro_batch=2, calibration=tmp_path / "c.json")
     for stage in plan.stages:
-        # node i at micro-batch 2: 2i ms forward + 4i ms backward
-        expected = sum(6 * i * 1e-3 for i in range(stage.start, stage.end))
-        assert stage.compute_s == pytest.approx(expected)
+        # node i at micro-batch 2: 2i ms forward + 4i ms backward; each stage 0.1 + 0.3 ms more
+        forward = sum(2 * i * 1e-3 for i in range(stage.start, stage.end))
+        assert stage.fwd_s == pytest.approx(forward + 1e-4)
+        assert stage.bwd_s == pytest.approx(2 * forward + 3e-4)
+        assert stage.compute_s == pytest.approx(stage.fwd_s + stage.bwd_s)
     assert json.loads((tmp_path / "o" / "plan.json").read_text())["calibration_node_times"]
     assert "node times measured by `pipec profile`" in (tmp_path / "o" / "report.md").read_text()
 
@@ -124,7 +126,7 @@ def test_another_models_node_times_fall_back_to_the_fit(tmp_path: Path,
                       calibration=tmp_path / "c.json")
     assert "measured on another model" in caplog.text
     for stage in plan.stages:
-        assert stage.compute_s == pytest.approx(2e-3 * (stage.end - stage.start))
+        assert stage.compute_s == pytest.approx(2e-3 * (stage.end - stage.start) + 4e-4)
     assert not json.loads((tmp_path / "o" / "plan.json").read_text())["calibration_node_times"]
 
 
