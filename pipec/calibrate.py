@@ -266,8 +266,11 @@ def _timings(graph: CostGraph, samples: list[Sample]) -> tuple[NodeTiming, ...]:
 
 
 def _flat(value: Any) -> list[torch.Tensor]:
+    """The tensors in a node's or model's output (nested tuples, lists and dicts)."""
     if isinstance(value, torch.Tensor):
         return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
     if isinstance(value, tuple | list):
         return [t for v in value for t in _flat(v)]
     return []

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from torch import fx, nn
 
 from conftest import MODELS, SAMPLES, compile_to
@@ -17,6 +18,7 @@ from pipec.calibrate import (
     _backward_seconds,
     _even_correction,
     _fit,
+    _flat,
     _to_group_norms,
     load_calibration,
     profile_model,
@@ -85,6 +87,11 @@ def test_even_correction_keeps_untimed_nodes_and_never_goes_negative() -> None:
     corrected = _even_correction(np.array([0.004, 0.0, 0.001, 0.007]), 0.009)
     assert list(corrected) == pytest.approx([0.003, 0.0, 0.0, 0.006])
     assert list(_even_correction(np.zeros(3), 1.0)) == [0.0, 0.0, 0.0]
+
+
+def test_outputs_in_dicts_are_found() -> None:
+    a, b = torch.ones(1), torch.zeros(2)
+    assert _flat({"logits": a, "extra": (b, 3)}) == [a, b]
 
 
 def test_node_times_interpolate_and_extrapolate() -> None:
