@@ -89,9 +89,9 @@ class Calibration:
 def _interpolate(sizes: tuple[int, ...], seconds: tuple[float, ...], micro_batch: int) -> float:
     """Piecewise linear in the micro-batch size; past the largest size, the last segment's
     slope continues (time per sample is steady at large sizes)."""
-    if micro_batch <= sizes[-1] or len(sizes) == 1:
-        if len(sizes) == 1:
-            return seconds[0] * micro_batch / sizes[0]
+    if len(sizes) == 1:
+        return seconds[0] * micro_batch / sizes[0]
+    if micro_batch <= sizes[-1]:
         return float(np.interp(micro_batch, sizes, seconds))
     slope = max((seconds[-1] - seconds[-2]) / (sizes[-1] - sizes[-2]), 0.0)
     return seconds[-1] + slope * (micro_batch - sizes[-1])
