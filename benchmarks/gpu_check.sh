@@ -6,7 +6,8 @@
 #
 # Compiles samples/gpt.py and samples/resnet.py for one GPU (--gpus 1, the preset HARDWARE),
 # runs each emitted train.py with --metrics, and prints `pipec compare`: per-stage forward and
-# backward time, step time and peak CUDA memory, predicted and measured. With two or more GPUs it
+# backward time, step time and peak CUDA memory, predicted and measured. GPT runs again with a
+# calibration measured on the device itself (pipec profile --device cuda). With two or more GPUs it
 # also runs a 2-stage pipeline over NCCL with torchrun. ALLOW_CPU=1 HARDWARE=cpu runs the same
 # steps without a GPU (gloo, no memory figures), to check the script itself.
 set -euo pipefail
@@ -54,6 +55,13 @@ check gpt-1gpu samples/gpt.py 64 --gpus 1
 run_one gpt-1gpu
 check resnet-1gpu samples/resnet.py 64 --gpus 1
 run_one resnet-1gpu
+# The same GPT plan with compute times measured on this device (pipec profile) instead of the
+# preset's roofline.
+device=$([ "$gpus" -ge 1 ] && echo cuda || echo cpu)
+"$PYTHON" -m pipec.cli profile samples/gpt.py --batch-size 64 --device "$device" \
+    -o "$work/gpt-calibration.json"
+check gpt-1gpu-calibrated samples/gpt.py 64 --gpus 1 --calibration "$work/gpt-calibration.json"
+run_one gpt-1gpu-calibrated
 if [ "$gpus" -ge 2 ]; then
     check gpt-2gpu samples/gpt.py 64 --gpus 2 --pp 2 --schedule 1f1b
     (cd "$work/gpt-2gpu" && "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node 2 \

@@ -49,6 +49,7 @@ class Comparison:
     measured_memory: tuple[float | None, ...]  # per pipeline device, the largest over replicas
     device_type: str
     findings: tuple[str, ...]
+    calibrated: bool = False  # the plan's compute times came from `pipec profile`
 
 
 def compare(out: Path, metrics_path: Path) -> Comparison:
@@ -86,7 +87,7 @@ def _compare(plan: dict[str, Any], metrics: dict[str, Any]) -> Comparison:
     comparison = Comparison(stages, plan["predicted"]["iteration_s"], step,
                             plan["predicted"]["bubble"], idle,
                             tuple(plan["predicted"]["peak_memory_bytes"]), memory,
-                            metrics["device_type"], ())
+                            metrics["device_type"], (), plan.get("calibration") is not None)
     return Comparison(**{**comparison.__dict__, "findings": findings(comparison)})
 
 
@@ -102,9 +103,8 @@ def findings(c: Comparison) -> tuple[str, ...]:
     measured = sum(s.measured_fwd_s + s.measured_bwd_s for s in c.stages)
     overall = measured / max(predicted, 1e-12)
     if not 1 / TOLERANCE <= overall <= TOLERANCE:
-        found.append(f"compute: the stages take {overall:.2f}× the predicted time overall; the "
-                     "device's speed is off: run `pipec profile MODEL --device "
-                     f"{c.device_type}` and compile with --calibration")
+        found.append(f"compute: the stages take {overall:.2f}× the predicted time overall; "
+                     + _speed_advice(c))
     ratios = [s.ratio for s in c.stages]
     if len(ratios) > 1 and max(ratios) / min(ratios) > SPREAD:
         slow = max(c.stages, key=lambda s: s.ratio)
@@ -122,6 +122,14 @@ def findings(c: Comparison) -> tuple[str, ...]:
             found.append(f"memory: device {device} peaked at {m / 2**30:.2f} GiB against "
                          f"{p / 2**30:.2f} GiB predicted")
     return tuple(found) or (f"the predictions hold within {TOLERANCE:.2f}×",)
+
+
+def _speed_advice(c: Comparison) -> str:
+    if c.calibrated:
+        return ("the plan is already calibrated, so the device ran at another speed than when "
+                "it was profiled: profile again under the training's load and OMP_NUM_THREADS")
+    return (f"the device's speed is off: run `pipec profile MODEL --device {c.device_type}` and "
+            "compile with --calibration")
 
 
 def render(c: Comparison) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -54,6 +55,9 @@ def _comparison(ratios: tuple[float, float], idle: float = 0.2,
 def test_findings_name_the_assumption_that_is_off() -> None:
     assert findings(_comparison((1.0, 1.1))) == ("the predictions hold within 1.25×",)
     assert "compute: the stages take 2.00×" in findings(_comparison((2.0, 2.0)))[0]
+    assert "run `pipec profile MODEL --device cuda`" in findings(_comparison((2.0, 2.0)))[0]
+    calibrated = replace(_comparison((2.0, 2.0)), calibrated=True)
+    assert "already calibrated" in findings(calibrated)[0]
     assert findings(_comparison((0.8, 1.3)))[0].startswith("balance: stage 1 runs 1.30×")
     assert "communication: devices idle 50%" in findings(_comparison((1.0, 1.0), idle=0.5))[0]
     assert "memory: device 0 peaked" in findings(_comparison((1.0, 1.0), memory=200.0))[0]
