@@ -319,10 +319,20 @@ def save_calibration(calibration: Calibration, path: Path) -> None:
 def load_calibration(path: Path) -> Calibration:
     try:
         data = json.loads(path.read_text())
-        nodes = tuple(NodeTiming(t["node"], t["target"], tuple(t["sizes"]), tuple(t["fwd_s"]),
-                                 tuple(t["bwd_s"])) for t in data.get("nodes", ()))
+        nodes = tuple(_node_timing(t) for t in data.get("nodes", ()))
         overhead = tuple(map(float, data.get("stage_overhead_s", (0.0, 0.0))))
         return Calibration(str(data["device"]), Fit(**data["forward"]), Fit(**data["backward"]),
                            nodes, (overhead[0], overhead[1]))
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
         raise ConfigError(f"calibration file {path}: {exc}; make one with pipec profile") from None
+
+
+def _node_timing(data: dict[str, Any]) -> NodeTiming:
+    timing = NodeTiming(str(data["node"]), str(data["target"]), tuple(map(int, data["sizes"])),
+                        tuple(map(float, data["fwd_s"])), tuple(map(float, data["bwd_s"])))
+    sizes = timing.sizes
+    if not sizes or sizes[0] < 1 or list(sizes) != sorted(set(sizes)) or not (
+            len(sizes) == len(timing.fwd_s) == len(timing.bwd_s)):
+        raise ValueError(f"node {timing.node!r}: sizes must be ascending positive micro-batch "
+                         "sizes, one forward and one backward time for each")
+    return timing

@@ -169,7 +169,20 @@ def test_cli_profile_then_compile_with_calibration(tmp_path: Path) -> None:
     assert calibrated.stages[0].compute_s != default.stages[0].compute_s
 
 
-@pytest.mark.parametrize("text", ["not json", '{"device": "cpu"}'])
+_FIT = '{"overhead_s": 0, "seconds_per_flop": 0, "seconds_per_byte": 0}'
+_FITS = f'"device": "cpu", "forward": {_FIT}, "backward": {_FIT}'
+
+
+@pytest.mark.parametrize("text", [
+    "not json", '{"device": "cpu"}', f'{{{_FITS}, "nodes": [{{"node": "_0"}}]}}',
+    f'{{{_FITS}, "nodes": [{{"node": "_0", "target": "0", "sizes": [], "fwd_s": [], '
+    '"bwd_s": []}]}',
+    f'{{{_FITS}, "nodes": [{{"node": "_0", "target": "0", "sizes": [2, 1], "fwd_s": [1, 2], '
+    '"bwd_s": [1, 2]}]}',
+    f'{{{_FITS}, "nodes": [{{"node": "_0", "target": "0", "sizes": [1, 2], "fwd_s": [1], '
+    '"bwd_s": [1, 2]}]}',
+    f'{{{_FITS}, "stage_overhead_s": [1]}}',
+])
 def test_bad_calibration_file(text: str, tmp_path: Path) -> None:
     (tmp_path / "c.json").write_text(text)
     with pytest.raises(ConfigError, match="make one with pipec profile"):
