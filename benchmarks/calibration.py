@@ -12,7 +12,6 @@ seconds, so the whole check runs --rounds times and reports each stage's median 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
 import sys
@@ -29,24 +28,9 @@ from tabulate import tabulate
 
 from pipec.calibrate import profile_model, save_calibration
 from pipec.driver import CompileOptions, compile_model
+from pipec.emit import emitted_modules
 
 SAMPLES = Path(__file__).resolve().parent.parent / "samples"
-
-
-def load(out: Path) -> tuple[ModuleType, ModuleType]:
-    """The emitted model.py and stages.py, imported as the training script imports them."""
-    sys.path.insert(0, str(out))
-    modules = []
-    for name in ("model", "stages"):
-        sys.modules.pop(name, None)
-        spec = importlib.util.spec_from_file_location(name, out / f"{name}.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-        modules.append(module)
-    sys.path.remove(str(out))
-    return modules[0], modules[1]
 
 
 def stage_inputs(stages: list[torch.nn.Module], first: tuple[torch.Tensor, ...]
@@ -95,19 +79,25 @@ def measure(sample: Path, args: argparse.Namespace, tmp: Path) -> list[Row]:
                                  schedule="1f1b", batch_size=args.batch_size, hardware="cpu",
                                  calibration=tmp / "calibration.json", force=True))
     plan = json.loads((out / "plan.json").read_text())
-    user, emitted = load(out)
+    with emitted_modules(out) as (user, emitted):
+        steps = stage_steps(user, emitted, plan["micro_batch"])
+    measured = time_stages(steps, args.repeats)
+    return [Row(sample.name, index, plan["micro_batch"], plan["stages"][index]["compute_s"],
+                seconds) for index, seconds in enumerate(measured)]
+
+
+def stage_steps(user: ModuleType, emitted: ModuleType, micro_batch: int
+                ) -> list[Callable[[], None]]:
+    """Each emitted stage's forward and backward on its real inputs at ``micro_batch``."""
     torch.manual_seed(0)
     model = user.build_model()
     emitted.rewrite_norms(model)
     stages = [cls(model) for cls in emitted.STAGES]
-    batch, _ = user.sample_batch(plan["micro_batch"])
+    batch, _ = user.sample_batch(micro_batch)
     first = (batch,) if isinstance(batch, torch.Tensor) else tuple(batch)
-    steps = [stage_step(stage, inputs, emitted.STAGES[index].INPUTS or tuple(
+    return [stage_step(stage, inputs, emitted.STAGES[index].INPUTS or tuple(
         (None, None, False) for _ in inputs)) for index, (stage, inputs) in enumerate(
             zip(stages, stage_inputs(stages, first), strict=True))]
-    measured = time_stages(steps, args.repeats)
-    return [Row(sample.name, index, plan["micro_batch"], plan["stages"][index]["compute_s"],
-                seconds) for index, seconds in enumerate(measured)]
 
 
 @dataclass(frozen=True)

@@ -180,9 +180,9 @@ def _time_in_context(gm: fx.GraphModule, inputs: dict[int, tuple[torch.Tensor, .
     fixed: list[np.ndarray] = []
     for repeat in range(repeats + 1):
         for size, batch in inputs.items():
-            timed[size].append(_one_pass(instrumented, batch, nodes, device))
-            plain[size].append(_one_pass(gm, batch, 0, device))
-            fixed.append(_one_pass(trivial, (torch.ones(1, device=device),), 0, device))
+            timed[size].append(_per_node(instrumented, batch, nodes, device))
+            plain[size].append(_totals(gm, batch, device))
+            fixed.append(_totals(trivial, (torch.ones(1, device=device),), device))
         log.info("profiled pass %d of %d at micro-batch sizes %s", repeat, repeats,
                  ", ".join(map(str, inputs)))
     overhead = np.median(fixed[len(inputs):], axis=0)
@@ -217,10 +217,10 @@ def _even_correction(seconds: np.ndarray, total: float) -> np.ndarray:
     return np.where(timed, np.maximum(seconds + shift, 0.0), 0.0)
 
 
-def _one_pass(gm: nn.Module, inputs: tuple[torch.Tensor, ...], nodes: int,
-              device: torch.device) -> np.ndarray:
-    """One forward and backward of ``gm``: per node if it is instrumented (``nodes`` > 0),
-    else the two totals, shape (2,)."""
+def _one_pass(gm: nn.Module, inputs: tuple[torch.Tensor, ...], device: torch.device
+              ) -> tuple[_Clock, float, float, float]:
+    """One forward and backward of ``gm``: its clock, and when it started, when its backward
+    started and when it ended."""
     clock = _Clock(device)
     with _running(clock):
         started = clock.now()
@@ -230,8 +230,20 @@ def _one_pass(gm: nn.Module, inputs: tuple[torch.Tensor, ...], nodes: int,
             torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
         ended = clock.now()
     gm.zero_grad(set_to_none=True)
-    if not nodes:
-        return np.array([backward_started - started, ended - backward_started])
+    return clock, started, backward_started, ended
+
+
+def _totals(gm: nn.Module, inputs: tuple[torch.Tensor, ...], device: torch.device
+            ) -> np.ndarray:
+    """Seconds of one pass's forward and of its backward, shape (2,)."""
+    _, started, backward_started, ended = _one_pass(gm, inputs, device)
+    return np.array([backward_started - started, ended - backward_started])
+
+
+def _per_node(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...], nodes: int,
+              device: torch.device) -> np.ndarray:
+    """Seconds of each node of an instrumented graph in one pass, shape (2, nodes)."""
+    clock, started, _, ended = _one_pass(gm, inputs, device)
     # The nodes run in graph order, once each: a node's forward runs from the previous stamp's
     # return to its own stamp.
     starts = [started, *(done for _, done in clock.forward[:-1])]
