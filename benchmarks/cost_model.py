@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from tabulate import tabulate
 
-from pipec.annotate import MEASURED_BATCHES, CostGraph, annotate
+from pipec.annotate import CostGraph, annotate
 from pipec.calibrate import measured_saved_bytes
 from pipec.loader import load_model_file
 from pipec.trace import batch_inputs, trace_model
@@ -29,7 +29,7 @@ SAMPLES = ROOT / "samples"
 
 def analyse(path: Path) -> CostGraph:
     spec = load_model_file(path)
-    return annotate(trace_model(spec), [batch_inputs(spec, b)[0] for b in MEASURED_BATCHES])
+    return annotate(trace_model(spec), spec)
 
 
 def flops_table() -> str:

@@ -10,7 +10,7 @@ free), so batch 1 does not lie on the line.
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -18,8 +18,11 @@ from torch import fx, nn
 from torch.nn import functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from pipec.errors import TraceError
-from pipec.trace import Traced
+from pipec.autocast import autocast_dtypes
+from pipec.errors import ModelFileError, TraceError
+from pipec.inplace import cuts_splitting_aliases, written
+from pipec.loader import ModelSpec
+from pipec.trace import Traced, batch_inputs
 
 COMPUTE_OPS = ("call_module", "call_function", "call_method")
 # A storage a node saves for backward: ("input", k), ("output", j) or ("internal", bytes).
@@ -57,6 +60,17 @@ class NodeCost:
     # Parameters an earlier node used too (tied weights), counted at their last user: a stage
     # boundary between the two users gives the later stage a copy of its own.
     shared_bytes: int = 0
+    # Alive while the node's backward runs: the gradient of its output and those of its inputs.
+    working_bytes: Linear = Linear(0.0, 0.0)
+
+
+@dataclass(frozen=True)
+class LossCost:
+    """``loss_fn`` on the model's output (it runs on the last stage, outside the traced graph)."""
+
+    saved_bytes: Linear  # kept for backward besides its inputs (cross-entropy: log-softmax)
+    working_bytes: Linear  # alive in its backward: gradients of the output and of saved values
+    target_bytes: Linear  # the targets the last stage receives for a micro-batch
 
 
 @dataclass(frozen=True)
@@ -68,6 +82,13 @@ class ValueSpec:
     shape_high: tuple[int, ...]  # at the second
     dtype: str  # torch dtype name, e.g. "float32"
     requires_grad: bool
+    # Its dtype in the whole model's run under bf16 autocast ("" given: ``dtype``): what a stage
+    # boundary carries under --precision bf16 (a Linear's bf16 output, an fp32 residual stream).
+    autocast_dtype: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.autocast_dtype:
+            object.__setattr__(self, "autocast_dtype", self.dtype)
 
     def shape_at(self, micro_batch: int) -> tuple[int, ...]:
         """Shapes are linear in the batch: the batch dimension grows, the others do not."""
@@ -87,19 +108,33 @@ class CostGraph:
     cut_bytes: tuple[Linear, ...]  # bytes of the values live across each cut (n + 1 entries)
     legal_cuts: tuple[bool, ...]  # a stage boundary may sit at this cut
     values: tuple[ValueSpec, ...]  # inputs and tensor-valued nodes, in graph order
+    # Of cut_bytes, the values no node saves for backward: a stage that sends them keeps them
+    # anyway until their backward (torch.distributed.pipelining caches a stage's outputs).
+    held_cut_bytes: tuple[Linear, ...] = ()
+    loss: LossCost = LossCost(Linear(0.0, 0.0), Linear(0.0, 0.0), Linear(0.0, 0.0))
+    # cut_bytes with each value in its dtype under bf16 autocast (ValueSpec.autocast_dtype).
+    cut_bytes_bf16: tuple[Linear, ...] = ()
 
     def value(self, name: str) -> ValueSpec:
         return next(v for v in self.values if v.name == name)
+
+    def cut_bytes_at(self, precision: str) -> tuple[Linear, ...]:
+        """The bytes crossing each cut when training at ``precision`` ("fp32" or "bf16")."""
+        bf16 = precision == "bf16" and self.cut_bytes_bf16
+        return self.cut_bytes_bf16 if bf16 else self.cut_bytes
 
     @property
     def total_params(self) -> int:
         return sum(n.params for n in self.nodes)
 
 
-def annotate(traced: Traced, inputs_at: Sequence[tuple[torch.Tensor, ...]]) -> CostGraph:
-    """Measure ``traced`` on ``inputs_at``: its inputs at each of MEASURED_BATCHES."""
+def annotate(traced: Traced, spec: ModelSpec, autocast_device: str = "cuda") -> CostGraph:
+    """Measure ``traced`` and the model file's loss on sample batches of each of
+    MEASURED_BATCHES, on meta tensors; and each value's dtype under ``autocast_device``'s bf16
+    autocast ("cuda" or "cpu", whose rules differ)."""
+    batches = [batch_inputs(spec, size) for size in MEASURED_BATCHES]
     gm = traced.graph_module
-    one, two = (_measure(gm, tuple(t.to("meta") for t in inputs)) for inputs in inputs_at)
+    one, two = (_measure(gm, tuple(t.to("meta") for t in inputs)) for inputs, _ in batches)
     compute = [n for n in gm.graph.nodes if n.op in COMPUTE_OPS]
     params, buffers = _first_users(gm, compute)
     shared = _shared_bytes(gm, compute)
@@ -108,18 +143,90 @@ def annotate(traced: Traced, inputs_at: Sequence[tuple[torch.Tensor, ...]]) -> C
     lifetimes = _lifetimes(gm, compute)
     sizes = {**{n.name: c.output_bytes for n, c in zip(compute, nodes, strict=True)},
              **_input_bytes(gm, one, two)}
-    cut_bytes = tuple(_sum_linear(sizes[v] for v in live) for live in _live_sets(lifetimes,
-                                                                                   len(compute)))
+    nodes = tuple(replace(c, working_bytes=_sum_linear(
+        [c.output_bytes, *(sizes[a.name] for a in n.all_input_nodes if a.name in sizes)]))
+        for n, c in zip(compute, nodes, strict=True))
+    live = _live_sets(lifetimes, len(compute))
+    held = [v for v in sizes if not one[v].saved_output]
     legal = _legal_cuts(compute, lifetimes, nodes)
-    values = tuple(_value_spec(n.name, one[n.name].value, two[n.name].value)
+    autocast = autocast_dtypes(gm, batches[0][0], autocast_device)
+    values = tuple(_value_spec(n.name, one[n.name].value, two[n.name].value,
+                               autocast.get(n.name, ""))
                    for n in gm.graph.nodes if n.name in lifetimes
                    and isinstance(one[n.name].value, torch.Tensor))
-    return CostGraph(nodes=nodes, cut_bytes=cut_bytes, legal_cuts=legal, values=values)
+    outputs = [_model_output(gm, measured) for measured in (one, two)]
+    return CostGraph(nodes=nodes, legal_cuts=legal, values=values,
+                     cut_bytes=tuple(_sum_linear(sizes[v] for v in names) for names in live),
+                     held_cut_bytes=tuple(_sum_linear(sizes[v] for v in names if v in held)
+                                          for names in live),
+                     loss=_loss_cost(spec, outputs, [targets for _, targets in batches]),
+                     cut_bytes_bf16=_autocast_cut_bytes(values, sizes, live))
 
 
-def _value_spec(name: str, one: torch.Tensor, two: torch.Tensor) -> ValueSpec:
+def _autocast_cut_bytes(values: Sequence[ValueSpec], sizes: dict[str, Linear],
+                        live: list[list[str]]) -> tuple[Linear, ...]:
+    """Each cut's bytes with its tensors in their dtypes under autocast (same shapes)."""
+    ratio = {v.name: _itemsize(v.autocast_dtype) / _itemsize(v.dtype) for v in values}
+    return tuple(_sum_linear(Linear(sizes[v].fixed * ratio.get(v, 1.0),
+                                    sizes[v].per_sample * ratio.get(v, 1.0)) for v in names)
+                 for names in live)
+
+
+def _itemsize(dtype: str) -> int:
+    return int(getattr(torch, dtype).itemsize)
+
+
+def _model_output(gm: fx.GraphModule, measured: dict[str, _Measured]) -> Any:
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    return measured[output.name].value
+
+
+def _loss_cost(spec: ModelSpec, outputs: list[Any], targets: list[Any]) -> LossCost:
+    """``loss_fn`` at each of MEASURED_BATCHES (saved, working and target bytes)."""
+    loss_fn = getattr(spec.module, "loss_fn", F.cross_entropy)
+    try:
+        at = [_loss_bytes(loss_fn, output, target)
+              for output, target in zip(outputs, targets, strict=True)]
+    except Exception as exc:
+        raise ModelFileError(f"{spec.path}: loss_fn(output, targets) failed on the model's "
+                             f"output: {type(exc).__name__}: {exc}") from None
+    saved, working, target_bytes = zip(*at, strict=True)
+    return LossCost(_linear(*saved), _linear(*working), _linear(*target_bytes))
+
+
+def _loss_bytes(loss_fn: Any, output: Any, target: Any) -> tuple[int, int, int]:
+    """Run ``loss_fn`` on meta copies of the model's output (autograd leaves, as the last
+    stage's output is to the loss) and catch what it saves besides its inputs. Its backward
+    makes a gradient for the output and one for each saved value."""
+    output = fx.node.map_aggregate(output, _meta_leaf)
+    target = fx.node.map_aggregate(
+        target, lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t)
+    kept: list[torch.Tensor] = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        kept.append(tensor)
+        return tensor
+
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss_fn(output, target)
+    inputs = {_storage_id(t) for t in _tensors((output, target))}
+    own = {_storage_id(t): int(t.untyped_storage().nbytes()) for t in kept
+           if _storage_id(t) not in inputs}
+    saved = sum(own.values())
+    return saved, saved + _nbytes(output), _nbytes(target)
+
+
+def _meta_leaf(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return torch.empty_like(value, device="meta").requires_grad_()
+    return value
+
+
+def _value_spec(name: str, one: torch.Tensor, two: torch.Tensor,
+                autocast_dtype: str) -> ValueSpec:
     dtype = str(one.dtype).removeprefix("torch.")
-    return ValueSpec(name, tuple(one.shape), tuple(two.shape), dtype, bool(one.requires_grad))
+    return ValueSpec(name, tuple(one.shape), tuple(two.shape), dtype, bool(one.requires_grad),
+                     autocast_dtype)
 
 
 @dataclass(frozen=True)
@@ -128,6 +235,7 @@ class _Measured:
     fwd_flops: int
     bwd_flops: int
     saved_bytes: int  # bytes autograd saves for backward that this node allocated
+    saved_output: bool = False  # some node saves this value for backward
 
 
 class _MeasuringInterpreter(fx.Interpreter):
@@ -159,10 +267,22 @@ class _MeasuringInterpreter(fx.Interpreter):
             self.measured[n.name] = _Measured(value, 0, 0, 0)
             return value
         try:
-            return self._measure_node(n)
+            value = self._measure_node(n)
         except Exception as exc:
             raise TraceError(f"running {n.format_node()} on meta tensors failed: "
                              f"{type(exc).__name__}: {exc}") from None
+        self._pass_on_grad(n, value)
+        return value
+
+    def _pass_on_grad(self, n: fx.Node, value: Any) -> None:
+        """A node runs on copies of its inputs, so an in-place op that mixes in a value needing
+        a gradient (``x.add_(h)``, x the data) leaves x as it was: make x require grad for the
+        nodes after it, as autograd would."""
+        target = written(self.module, n)
+        current = self.env.get(target) if target is not None else None
+        if (isinstance(value, torch.Tensor) and value.requires_grad
+                and isinstance(current, torch.Tensor) and not current.requires_grad):
+            self.env[target] = current.detach().requires_grad_()
 
     def _measure_node(self, n: fx.Node) -> Any:
         """Measure a node, or reuse the measurement of an identical one (a repeated layer)."""
@@ -330,6 +450,12 @@ class _MeasuringInterpreter(fx.Interpreter):
             if storage not in self.static and storage not in self.owner:
                 self.owner[storage] = (name, int(tensor.untyped_storage().nbytes()))
 
+    def is_saved(self, value: Any) -> bool:
+        """Whether a node's tensor output (all of it) is kept for backward by some node."""
+        tensors = _tensors(value)
+        return bool(tensors) and all(self._canonical(_storage_id(t)) in self.saved
+                                     for t in tensors)
+
     def saved_bytes(self) -> dict[str, int]:
         """Bytes saved for backward, by the node that allocated them."""
         totals = dict(self.internal)
@@ -414,7 +540,8 @@ def _measure(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...]) -> dict[str, 
     with torch.enable_grad():
         interpreter.run(*inputs)
     saved = interpreter.saved_bytes()
-    return {name: _Measured(m.value, m.fwd_flops, m.bwd_flops, saved.get(name, 0))
+    return {name: _Measured(m.value, m.fwd_flops, m.bwd_flops, saved.get(name, 0),
+                            interpreter.is_saved(m.value))
             for name, m in interpreter.measured.items()}
 
 
@@ -567,8 +694,10 @@ def _input_bytes(gm: fx.GraphModule, one: dict[str, _Measured],
 
 def _legal_cuts(compute: list[fx.Node], lifetimes: dict[str, tuple[int, int]],
                 nodes: tuple[NodeCost, ...]) -> tuple[bool, ...]:
-    """A cut is legal when only tensors cross it. (A parameter used on both sides is copied
-    into both stages, whose gradients the training script sums.)"""
+    """A cut is legal when only tensors cross it, and no two that share a storage a later node
+    overwrites in place (sent, they arrive as two tensors and the write would reach one). (A
+    parameter used on both sides is copied into both stages, whose gradients the training
+    script sums.)"""
     n = len(compute)
     legal = [True] * (n + 1)
     is_tensor = {c.name: c.is_tensor for c in nodes}
@@ -576,6 +705,10 @@ def _legal_cuts(compute: list[fx.Node], lifetimes: dict[str, tuple[int, int]],
         if made >= 0 and not is_tensor[name]:
             for cut in range(made + 1, last_use + 1):
                 legal[cut] = False
+    if compute:
+        gm = compute[0].graph.owning_module
+        for cut in cuts_splitting_aliases(gm, compute, _live_sets(lifetimes, n)):
+            legal[cut] = False
     legal[0] = legal[n] = True
     return tuple(legal)
 

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import fx, nn
 
-from pipec.annotate import COMPUTE_OPS, MEASURED_BATCHES, CostGraph, annotate
+from pipec.annotate import COMPUTE_OPS, CostGraph, annotate
 from pipec.costmodel import Calibration, Fit, NodeTiming
 from pipec.errors import ConfigError, TraceError
 from pipec.loader import load_model_file
@@ -63,7 +63,7 @@ def profile_model(model: Path, batch_size: int, device: str = "cpu", repeats: in
         raise ConfigError(f"--norm {norm!r}: use group (as pipelined plans run) or keep")
     spec = load_model_file(model)
     traced = _fx_trace(spec)
-    graph = annotate(traced, [batch_inputs(spec, size)[0] for size in MEASURED_BATCHES])
+    graph = annotate(traced, spec)
     torch.manual_seed(0)
     real = fx.symbolic_trace(spec.build_model())
     if norm == "group":

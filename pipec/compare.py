@@ -20,6 +20,9 @@ TOLERANCE = 1.25
 SPREAD = 1.3
 # Measured idle time above the predicted bubble by more than this fraction of the step.
 EXTRA_IDLE = 0.10
+# A device's measured peak memory within this fraction of the prediction holds.
+MEMORY_TOLERANCE = 0.15
+MIB = 2**20
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,8 @@ class Comparison:
     device_type: str
     findings: tuple[str, ...]
     calibrated: bool = False  # the plan's compute times came from `pipec profile`
+    # Per pipeline device, the predicted peak by term (plan.json predicted.memory_terms).
+    memory_terms: tuple[dict[str, float], ...] = ()
 
 
 def compare(out: Path, metrics_path: Path) -> Comparison:
@@ -87,7 +92,8 @@ def _compare(plan: dict[str, Any], metrics: dict[str, Any]) -> Comparison:
     comparison = Comparison(stages, plan["predicted"]["iteration_s"], step,
                             plan["predicted"]["bubble"], idle,
                             tuple(plan["predicted"]["peak_memory_bytes"]), memory,
-                            metrics["device_type"], (), plan.get("calibration") is not None)
+                            metrics["device_type"], (), plan.get("calibration") is not None,
+                            tuple(plan["predicted"].get("memory_terms", ())))
     return Comparison(**{**comparison.__dict__, "findings": findings(comparison)})
 
 
@@ -118,10 +124,29 @@ def findings(c: Comparison) -> tuple[str, ...]:
                      "their latency higher) than the hardware preset says, or the optimizer step "
                      "and gradient all-reduce cost more")
     for device, (p, m) in enumerate(zip(c.predicted_memory, c.measured_memory, strict=True)):
-        if m is not None and not 1 / TOLERANCE <= m / max(p, 1.0) <= TOLERANCE:
-            found.append(f"memory: device {device} peaked at {m / 2**30:.2f} GiB against "
-                         f"{p / 2**30:.2f} GiB predicted")
-    return tuple(found) or (f"the predictions hold within {TOLERANCE:.2f}×",)
+        if m is not None and abs(m / max(p, 1.0) - 1) > MEMORY_TOLERANCE:
+            terms = c.memory_terms[device] if device < len(c.memory_terms) else {}
+            found.append(_memory_finding(device, p, m, terms))
+    return tuple(found) or (f"the predictions hold: time within {TOLERANCE:.2f}×, memory "
+                            f"within ±{MEMORY_TOLERANCE:.0%}",)
+
+
+def _memory_finding(device: int, predicted: float, measured: float,
+                    terms: dict[str, float]) -> str:
+    """Name the predicted term whose size is nearest the gap: the likeliest to be missing (when
+    measured is above) or counted twice (below)."""
+    gap = measured - predicted
+    line = (f"memory: device {device} peaked at {measured / MIB:,.1f} MiB against "
+            f"{predicted / MIB:,.1f} MiB predicted ({gap / predicted:+.0%})")
+    sized = {t: v for t, v in terms.items() if v > 0}
+    if not sized:
+        return line
+    term = min(sized, key=lambda t: abs(sized[t] - abs(gap)))
+    direction = "missing or undercounted" if gap > 0 else "overcounted"
+    return (f"{line}; the gap, {abs(gap) / MIB:,.1f} MiB, is nearest the '{term}' term "
+            f"({sized[term] / MIB:,.1f} MiB): likely {direction}; terms: "
+            + ", ".join(f"{t} {v / MIB:,.1f}" for t, v in sorted(sized.items(),
+                                                                key=lambda tv: -tv[1])))
 
 
 def _speed_advice(c: Comparison) -> str:
@@ -142,8 +167,8 @@ def render(c: Comparison) -> str:
         ("step time ms", _ms(c.predicted_step_s), _ms(c.measured_step_s),
          f"{c.measured_step_s / c.predicted_step_s:.2f}"),
         ("idle (bubble) %", f"{c.predicted_bubble:.1%}", f"{c.measured_idle:.1%}", ""),
-        *[(f"peak memory GiB, device {d}", f"{p / 2**30:.3f}",
-           "n/a (CPU)" if m is None else f"{m / 2**30:.3f}",
+        *[(f"peak memory MiB, device {d}", f"{p / MIB:,.1f}",
+           "n/a" if m is None else f"{m / MIB:,.1f}",
            "" if m is None else f"{m / max(p, 1.0):.2f}")
           for d, (p, m) in enumerate(zip(c.predicted_memory, c.measured_memory, strict=True))],
     ], ("", "predicted", "measured", "measured ÷ predicted"), tablefmt="github")

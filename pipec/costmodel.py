@@ -24,8 +24,6 @@ OPTIMIZER_STATE_RATIO = {"sgd": 1.0, "adamw": 2.0}
 AUTOCAST_COPY_RATIO = {"fp32": 0.0, "bf16": 0.5}
 # Activations are saved at this fraction of their fp32 size (bf16 autocast halves them).
 ACTIVATION_RATIO = {"fp32": 1.0, "bf16": 0.5}
-# Kept free on every device for the allocator, workspaces and communication buffers.
-MEMORY_RESERVE = 0.1
 
 
 @dataclass(frozen=True)
@@ -105,7 +103,12 @@ class NodeArrays:
     bwd_s: np.ndarray
     static_bytes: np.ndarray  # params + grads + optimizer state + buffers
     activation_bytes: np.ndarray  # saved for backward, per micro-batch in flight
-    cut_bytes: np.ndarray  # length n + 1: bytes live across each cut
+    cut_bytes: np.ndarray  # length n + 1: bytes sent across each cut (0 at the graph's ends)
+    boundary_bytes: np.ndarray  # length n + 1: bytes live across each cut, the ends included
+    held_bytes: np.ndarray  # length n + 1: of those, what no node saves for backward
+    working_bytes: np.ndarray  # per node, alive during its backward; the loss's on the last
+    loss_bytes: float  # saved by loss_fn, per micro-batch in flight
+    target_bytes: float  # one micro-batch's targets
 
 
 def node_arrays(graph: CostGraph, device: Device, micro_batch: int, training: Training,
@@ -127,9 +130,17 @@ def node_arrays(graph: CostGraph, device: Device, micro_batch: int, training: Tr
     shared = np.array([n.shared_bytes for n in graph.nodes], dtype=float)
     static = ((param_bytes + shared) * static_ratio(training)
               + np.array([n.buffer_bytes for n in graph.nodes], dtype=float))
-    cut_bytes = np.array([c.at(micro_batch) for c in graph.cut_bytes]) * ratio
+    # Each boundary value in its own dtype under autocast (an fp32 residual stream stays fp32).
+    boundary = np.array([c.at(micro_batch) for c in graph.cut_bytes_at(training.precision)])
+    cut_bytes = boundary.copy()
     cut_bytes[0] = cut_bytes[-1] = 0.0  # the graph's ends send nothing
-    return NodeArrays(fwd, bwd, static, saved_bytes, cut_bytes)
+    held = np.array([c.at(micro_batch) for c in graph.held_cut_bytes]) * ratio
+    working = np.array([n.working_bytes.at(micro_batch) for n in graph.nodes]) * ratio
+    # The loss runs after the last node, on the last stage, which always holds that node.
+    working[-1] = max(working[-1], graph.loss.working_bytes.at(micro_batch) * ratio)
+    return NodeArrays(fwd, bwd, static, saved_bytes, cut_bytes, boundary, held, working,
+                      graph.loss.saved_bytes.at(micro_batch) * ratio,
+                      graph.loss.target_bytes.at(micro_batch))
 
 
 def _calibrated(graph: CostGraph, calibration: Calibration, micro_batch: int,
@@ -171,7 +182,80 @@ def static_ratio(training: Training) -> float:
 
 
 def usable_memory(device: Device) -> float:
-    return device.memory_bytes * (1 - MEMORY_RESERVE)
+    """What a device has for the model's terms and the runtime's: its memory less what each
+    process holds before training (context, communicators) and the allocator's fragmentation."""
+    return (device.memory_bytes - device.process_bytes) * (1 - device.fragmentation)
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """One stage's peak bytes, by term (docs/cost-model.md)."""
+
+    static: float  # weights, gradients, optimizer state, buffers
+    activations: float  # saved for backward, times the micro-batches in flight
+    held_outputs: float  # outputs no node saves, kept by the runtime until their backward
+    receive_buffers: float  # one per micro-batch, for the input and for the output's gradient
+    data: float  # the step's inputs (first stage) and targets (last stage)
+    loss: float  # what loss_fn saves, times the micro-batches in flight (last stage)
+    working: float  # the largest backward working set among the stage's nodes (and the loss's)
+
+    @property
+    def total(self) -> float:
+        return (self.static + self.activations + self.held_outputs + self.receive_buffers
+                + self.data + self.loss + self.working)
+
+
+@dataclass(frozen=True)
+class StageRole:
+    """Where a stage sits and how much of the step it holds at once."""
+
+    index: int
+    num_stages: int
+    micro_batches: int  # per step and replica: the runtime allocates buffers for each
+    in_flight: int  # micro-batches whose activations it holds at once
+    # Data-parallel replicas: without train_dataset() each end stage makes the whole global
+    # batch with sample_batch() and keeps its replica's share.
+    replicas: int = 1
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.num_stages - 1
+
+
+def stage_memory(arrays: NodeArrays, start: int, end: int, role: StageRole) -> StageMemory:
+    """The peak of the stage over nodes [start, end) under torch.distributed.pipelining:
+    ``PipelineStage`` allocates a receive buffer per micro-batch for its input and for its
+    output's gradient and keeps them across steps, caches each micro-batch's outputs until its
+    backward, and the schedule splits the step's whole batch into micro-batches up front."""
+    m, f, steps_batch = role.micro_batches, role.in_flight, role.micro_batches * role.replicas
+    received = 0.0 if role.first else m * arrays.boundary_bytes[start]
+    gradients = 0.0 if role.last else m * arrays.boundary_bytes[end]
+    return StageMemory(
+        static=float(arrays.static_bytes[start:end].sum()),
+        activations=f * float(arrays.activation_bytes[start:end].sum()),
+        held_outputs=f * float(arrays.held_bytes[end]),
+        receive_buffers=float(received + gradients),
+        data=float((steps_batch * arrays.boundary_bytes[0] if role.first else 0.0)
+                   + (steps_batch * arrays.target_bytes if role.last else 0.0)),
+        loss=f * arrays.loss_bytes if role.last else 0.0,
+        working=float(arrays.working_bytes[start:end].max(initial=0.0)))
+
+
+def ends_bytes(arrays: NodeArrays, role: StageRole) -> tuple[np.ndarray, np.ndarray]:
+    """For the partition DP, per cut: what a stage starting there holds for its input (receive
+    buffers; at cut 0, the step's inputs) and what a stage ending there holds for its output
+    (gradient buffers and outputs kept for backward; the loss and targets on the last stage).
+    With the span's own terms they add up to ``stage_memory(...).total``."""
+    m, f, steps_batch = role.micro_batches, role.in_flight, role.micro_batches * role.replicas
+    enter = m * arrays.boundary_bytes
+    enter[0] = steps_batch * arrays.boundary_bytes[0]  # the first stage: the step's inputs
+    leave = f * arrays.held_bytes + (f * arrays.loss_bytes + steps_batch * arrays.target_bytes
+                                     if role.last else m * arrays.boundary_bytes)
+    return enter, leave
 
 
 def allreduce_s(grad_bytes: float, replicas: int, device: Device, inter_node: bool = False

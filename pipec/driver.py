@@ -6,7 +6,7 @@ import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from pipec.annotate import MEASURED_BATCHES, CostGraph, annotate
+from pipec.annotate import CostGraph, annotate
 from pipec.calibrate import load_calibration
 from pipec.costmodel import Training
 from pipec.emit import Emitted, emit
@@ -17,7 +17,7 @@ from pipec.normalize import plan_norms
 from pipec.onnx_export import export_stages, require_onnx
 from pipec.planner import Plan, PlanRequest, plan
 from pipec.split import split
-from pipec.trace import Traced, batch_inputs, trace_model
+from pipec.trace import Traced, trace_model
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +59,14 @@ def analyze(options: CompileOptions) -> Analyzed:
     request = _request(options)
     spec = load_model_file(options.model)
     traced = trace_model(spec, options.frontend)
-    graph = annotate(traced, [batch_inputs(spec, size)[0] for size in MEASURED_BATCHES])
+    graph = annotate(traced, spec, autocast_device=_device_type(request.devices))
     return Analyzed(spec, traced, graph, _bind_calibration(request, graph))
+
+
+def _device_type(devices: tuple[Device, ...]) -> str:
+    """The device type the plan trains on, whose autocast rules set the boundary dtypes under
+    bf16: CPU for the `cpu` preset, CUDA for every other device."""
+    return "cpu" if all(d.name == "cpu" for d in devices) else "cuda"
 
 
 def _bind_calibration(request: PlanRequest, graph: CostGraph) -> PlanRequest:

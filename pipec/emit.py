@@ -15,8 +15,8 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass
 from importlib import resources
 from pathlib import Path
 from types import ModuleType
@@ -25,7 +25,7 @@ from typing import Any
 import jinja2
 
 from pipec import __version__
-from pipec.costmodel import usable_memory
+from pipec.costmodel import StageMemory, usable_memory
 from pipec.errors import OutputError
 from pipec.loader import ModelSpec
 from pipec.normalize import NormPlan
@@ -108,11 +108,16 @@ def plan_dict(plan: Plan, norms: NormPlan, traced: Traced) -> dict[str, Any]:
             "activation_bytes": s.activation_bytes, "memory_bytes": s.memory_bytes,
             "time_s": s.time_s, "compute_s": s.compute_s, "boundary_bytes": s.boundary_bytes,
             "nodes": [s.start, s.end], "device": s.device, "fwd_s": s.fwd_s, "bwd_s": s.bwd_s,
+            "memory": _memory_terms(s.memory),
         } for s in plan.stages],
         "predicted": {
             "iteration_s": plan.iteration_s, "samples_per_s": plan.samples_per_s,
             "bubble": plan.simulation.bubble,
             "peak_memory_bytes": list(plan.device_memory_bytes),
+            "memory_terms": [{**_sum_terms(s.memory for s in plan.stages if s.device == d),
+                              "runtime": plan.device_memory_bytes[d] - sum(
+                                  s.memory_bytes for s in plan.stages if s.device == d)}
+                             for d in range(plan.pp)],
         },
         "virtual_stages": plan.virtual_stages,
         "devices": [d.name for d in request.devices],
@@ -138,6 +143,19 @@ def plan_dict(plan: Plan, norms: NormPlan, traced: Traced) -> dict[str, Any]:
         "norm_rewrites": [{"module": r.module, "from": r.from_, "to": r.to, "groups": r.groups}
                           for r in norms.rewrites],
     }
+
+
+def _memory_terms(memory: StageMemory | None) -> dict[str, float]:
+    return {} if memory is None else asdict(memory)
+
+
+def _sum_terms(memories: Iterable[StageMemory | None]) -> dict[str, float]:
+    """A device's memory by term: the sum over its stages."""
+    total: dict[str, float] = {}
+    for memory in memories:
+        for term, value in _memory_terms(memory).items():
+            total[term] = total.get(term, 0.0) + value
+    return total
 
 
 def plan_id(plan_json: dict[str, Any]) -> str:

@@ -8,12 +8,12 @@ from typing import Any
 
 from tabulate import tabulate
 
-from pipec.annotate import MEASURED_BATCHES, CostGraph, NodeCost, annotate
+from pipec.annotate import CostGraph, NodeCost, annotate
 from pipec.costmodel import Calibration, Training, node_arrays
 from pipec.errors import ConfigError
 from pipec.hardware import load_hardware
 from pipec.loader import load_model_file
-from pipec.trace import batch_inputs, trace_model
+from pipec.trace import trace_model
 
 MIB = 2**20
 
@@ -41,7 +41,7 @@ def inspect_model(model: Path, batch_size: int, depth: int | None, hardware: str
         raise ConfigError(f"--depth {depth}: must be 0 or more")
     spec = load_model_file(model)
     traced = trace_model(spec)
-    graph = annotate(traced, [batch_inputs(spec, size)[0] for size in MEASURED_BATCHES])
+    graph = annotate(traced, spec)
     times = _node_times(graph, hardware, batch_size, training, calibration)
     shapes = {v.name: v.shape_at(batch_size) for v in graph.values}
     rows = [_row(n.name, [n], [t], batch_size, shapes)

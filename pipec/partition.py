@@ -6,7 +6,11 @@ Legend: n nodes in topological order; a stage covers nodes [j, i) and is cut at 
 ``time[s, i] - time[s, j]`` is its compute time on stage s's device (devices may differ),
 ``cut_s[s, i]`` the cost of stage s sending its output (per stage, since the link to the next
 stage may be inter-node);
-stage s holds its static bytes once and its activation bytes ``in_flight[s]`` times.
+stage s holds its static bytes once and its activation bytes ``in_flight[s]`` times, plus what
+its ends cost it (``enter_bytes[s, j]``: receive buffers for its input at cut j;
+``leave_bytes[s, i]``: buffers for the gradients of its output at cut i, outputs kept for their
+backward, the loss) and the largest working set among its nodes (``working_bytes``: the
+gradients alive while one node's backward runs).
 """
 
 from __future__ import annotations
@@ -28,6 +32,9 @@ class Problem:
     legal: np.ndarray  # bool, legal[i]: a boundary may sit before node i
     capacity: tuple[float, ...]  # bytes available to each stage
     in_flight: tuple[int, ...]  # micro-batches whose activations each stage holds at once
+    enter_bytes: np.ndarray  # (num_stages, n + 1): held by a stage that starts at the cut
+    leave_bytes: np.ndarray  # (num_stages, n + 1): held by a stage that ends at the cut
+    working_bytes: np.ndarray  # (n,): transient bytes while the node runs; a stage the largest
 
     @property
     def num_nodes(self) -> int:
@@ -46,20 +53,25 @@ class Partition:
 
 def make_problem(costs: np.ndarray, static: np.ndarray, activation: np.ndarray,
                  cut_s: np.ndarray, legal: np.ndarray, capacity: tuple[float, ...],
-                 in_flight: tuple[int, ...]) -> Problem:
+                 in_flight: tuple[int, ...], enter: np.ndarray | None = None,
+                 leave: np.ndarray | None = None, working: np.ndarray | None = None) -> Problem:
     """Build a Problem from per-node arrays (length n) and per-cut arrays (length n + 1).
 
-    ``costs`` and ``cut_s`` are one row for all stages or one row per stage.
+    ``costs``, ``cut_s``, ``enter`` and ``leave`` are one row for all stages or one row per
+    stage; the memory terms default to zero.
     """
     def prefix(values: np.ndarray) -> np.ndarray:
         values = np.asarray(values, float)
         return np.concatenate((np.zeros((*values.shape[:-1], 1)),
                                np.cumsum(values, axis=-1)), axis=-1)
     n, stages = np.shape(costs)[-1], len(capacity)
+    def per_stage(values: np.ndarray | None) -> np.ndarray:
+        return np.broadcast_to(np.asarray(0.0 if values is None else values, float),
+                               (stages, n + 1))
     time = np.broadcast_to(prefix(costs), (stages, n + 1))
-    cut = np.broadcast_to(np.asarray(cut_s, float), (stages, n + 1))
-    return Problem(time, cut, prefix(static), prefix(activation), np.asarray(legal, bool),
-                   capacity, in_flight)
+    return Problem(time, per_stage(cut_s), prefix(static), prefix(activation),
+                   np.asarray(legal, bool), capacity, in_flight, per_stage(enter),
+                   per_stage(leave), np.zeros(n) if working is None else np.asarray(working, float))
 
 
 def stage_time(p: Problem, stage: int, start: int, end: int) -> float:
@@ -68,7 +80,9 @@ def stage_time(p: Problem, stage: int, start: int, end: int) -> float:
 
 def stage_memory(p: Problem, stage: int, start: int, end: int) -> float:
     activations = p.activation_bytes[end] - p.activation_bytes[start]
-    return float(p.static_bytes[end] - p.static_bytes[start] + p.in_flight[stage] * activations)
+    return float(p.static_bytes[end] - p.static_bytes[start] + p.in_flight[stage] * activations
+                 + p.enter_bytes[stage, start] + p.leave_bytes[stage, end]
+                 + p.working_bytes[start:end].max(initial=0.0))
 
 
 def solve(p: Problem) -> Partition | None:
@@ -133,6 +147,8 @@ class _Grid:
     def __init__(self, p: Problem, cuts: np.ndarray, upper: float) -> None:
         self.p, self.cuts, self.upper = p, cuts, upper
         self.static, self.activation = p.static_bytes[cuts], p.activation_bytes[cuts]
+        self.working = _RangeMax([p.working_bytes[a:b].max(initial=0.0)
+                                  for a, b in itertools.pairwise(cuts)])
 
     def starts(self, stage: int, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Per end, the starts to try (ascending, padded) and which of them are real: at least
@@ -161,9 +177,36 @@ class _Grid:
             return True
         memory = (self.static[ends][:, None] - self.static[starts]
                   + self.p.in_flight[stage] * (self.activation[ends][:, None]
-                                               - self.activation[starts]))
+                                               - self.activation[starts])
+                  + self.p.enter_bytes[stage, self.cuts[starts]]
+                  + self.p.leave_bytes[stage, self.cuts[ends]][:, None]
+                  + self.working.over(starts, np.broadcast_to(ends[:, None], starts.shape)))
         fit: np.ndarray = memory <= capacity
         return fit
+
+
+class _RangeMax:
+    """The largest of ``values[start:end]`` for arrays of (start, end), in O(1) each: a sparse
+    table of the maxima of every power-of-two run (Bender & Farach-Colton 2000)."""
+
+    def __init__(self, values: list[float]) -> None:
+        levels = [np.asarray(values, float)]
+        while 2 ** len(levels) <= len(values):
+            half = 2 ** (len(levels) - 1)
+            levels.append(np.maximum(levels[-1][:-half], levels[-1][half:]))
+        self.levels = levels
+
+    def over(self, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+        length = np.maximum(ends - starts, 1)  # invalid (empty) pairs are masked by the caller
+        level = np.floor(np.log2(length)).astype(int)
+        result = np.zeros(starts.shape)
+        for k, row in enumerate(self.levels):
+            chosen = level == k
+            if chosen.any():
+                a, b = starts[chosen], ends[chosen] - 2 ** k
+                result[chosen] = np.maximum(row[np.clip(a, 0, len(row) - 1)],
+                                            row[np.clip(b, 0, len(row) - 1)])
+        return result
 
 
 def _backtrack(choices: list[np.ndarray], cuts: np.ndarray) -> tuple[int, ...]:

@@ -22,12 +22,16 @@ from pipec.annotate import CostGraph
 from pipec.costmodel import (
     Calibration,
     NodeArrays,
+    StageMemory,
+    StageRole,
     Training,
     allreduce_s,
     boundary_s,
     crosses_nodes,
+    ends_bytes,
     node_arrays,
     spans_nodes,
+    stage_memory,
     usable_memory,
 )
 from pipec.errors import ConfigError, InfeasibleError
@@ -73,13 +77,14 @@ class StagePlan:
     fwd_flops: float  # one micro-batch
     bwd_flops: float
     activation_bytes: float  # one micro-batch
-    memory_bytes: float  # static + activations in flight (this stage alone)
+    memory_bytes: float  # its peak: every term of ``memory`` (this stage alone)
     time_s: float  # forward + backward + boundary, one micro-batch
     compute_s: float  # forward + backward alone, one micro-batch
     boundary_bytes: float  # sent to the next stage, one micro-batch
     device: int = 0  # pipeline position (rank mod pp) that runs it
     fwd_s: float = 0.0  # forward compute alone, one micro-batch
     bwd_s: float = 0.0  # backward compute alone, one micro-batch
+    memory: StageMemory | None = None  # memory_bytes by term
 
 
 @dataclass(frozen=True)
@@ -166,6 +171,7 @@ class _StageCosts:
     arrays: NodeArrays  # device-independent bytes
     cut_s: np.ndarray  # (stages, n + 1): sending across each cut to the next stage
     capacity: tuple[float, ...]  # per position: usable bytes of its smallest device
+    runtime: tuple[float, ...]  # per position: the runtime's own bytes beside the stages
     # What every stage pays per micro-batch besides its nodes (calling it, starting autograd's
     # engine), forward and backward: the same for all stages, so the partition ignores it.
     overhead_s: tuple[float, float] = (0.0, 0.0)
@@ -176,8 +182,8 @@ class _Evaluated:
     point: _Point
     boundaries: tuple[int, ...]
     costs: _StageCosts
-    memory: tuple[float, ...]  # per position
-    stage_memory: tuple[float, ...]  # per stage
+    memory: tuple[float, ...]  # per position, the runtime's own bytes included
+    stage_memory: tuple[StageMemory, ...]  # per stage
     simulation: Simulation | None  # None: only the memory was needed
     iteration_s: float
 
@@ -282,9 +288,10 @@ class _Costs:
         arrays = self.nodes(positions[0][0], micro_batch)
         cut = np.stack([self._cut_s(layout, arrays, k) for k in range(layout.stages)])
         capacity = tuple(min(usable_memory(d) for d in devices) for devices in positions)
+        runtime = tuple(max(d.runtime_bytes for d in devices) for devices in positions)
         calibration = self.request.calibration
         overhead = calibration.stage_overhead_s if calibration else (0.0, 0.0)
-        return _StageCosts(fwd + bwd, fwd, bwd, arrays, cut, capacity, overhead)
+        return _StageCosts(fwd + bwd, fwd, bwd, arrays, cut, capacity, runtime, overhead)
 
     def _cut_s(self, layout: _Layout, arrays: NodeArrays, stage: int) -> np.ndarray:
         """Stage → stage + 1 over the slowest link between the two positions' devices."""
@@ -300,37 +307,43 @@ class _Costs:
         times = [self.nodes(d, micro_batch) for d in set(self.request.devices)]
         return float(np.min([a.fwd_s + a.bwd_s for a in times], axis=0).sum())
 
-    def boundaries(self, point: _Point, flights: tuple[int, ...], balance: str
+    def boundaries(self, point: _Point, roles: tuple[StageRole, ...], balance: str
                    ) -> tuple[int, ...] | None:
         """Cached: a boundary rule without memory limits depends on fewer things."""
         key: tuple[object, ...] = (point.layout, balance)
         if balance != "uniform" and balance != "parameters":
             key += (point.micro_batch,)
         if balance == "pipec":
-            key += (flights,)
+            key += (roles,)
         if key not in self._bounds:
-            self._bounds[key] = (self._time_balance_if_it_fits(point, flights)
+            self._bounds[key] = (self._time_balance_if_it_fits(point, roles)
                                  if balance == "pipec" else None)
             if self._bounds[key] is None:
-                self._bounds[key] = _boundaries(self, point, flights, balance)
+                self._bounds[key] = _boundaries(self, point, roles, balance)
         return self._bounds[key]
 
-    def _time_balance_if_it_fits(self, point: _Point, flights: tuple[int, ...]
+    def _time_balance_if_it_fits(self, point: _Point, roles: tuple[StageRole, ...]
                                  ) -> tuple[int, ...] | None:
         """The unconstrained optimum, when it fits the memory: then it is also the constrained
         optimum, and one DP serves every schedule of the point."""
-        bounds = self.boundaries(point, flights, "time")
+        bounds = self.boundaries(point, roles, "time")
         assert bounds is not None
-        layout, sc = point.layout, self.stages(point.layout, point.micro_batch)
-        for k, (a, b) in enumerate(itertools.pairwise(bounds)):
-            memory = (sc.arrays.static_bytes[a:b].sum()
-                      + flights[k] * sc.arrays.activation_bytes[a:b].sum())
-            if memory > sc.capacity[k % layout.pp] / layout.virtual:
+        sc = self.stages(point.layout, point.micro_batch)
+        capacity = _stage_capacity(sc, point.layout)
+        for (a, b), role in zip(itertools.pairwise(bounds), roles, strict=True):
+            if stage_memory(sc.arrays, a, b, role).total > capacity[role.index]:
                 return None
         return bounds
 
 
-def _boundaries(costs: _Costs, point: _Point, flights: tuple[int, ...], balance: str
+def _stage_capacity(sc: _StageCosts, layout: _Layout) -> tuple[float, ...]:
+    """Per stage, the bytes it may use: its device's, less the runtime's own, shared equally
+    by the device's stages (interleaved)."""
+    return tuple((sc.capacity[k % layout.pp] - sc.runtime[k % layout.pp]) / layout.virtual
+                 for k in range(layout.stages))
+
+
+def _boundaries(costs: _Costs, point: _Point, roles: tuple[StageRole, ...], balance: str
                 ) -> tuple[int, ...] | None:
     """``balance`` picks the boundaries: "pipec", the exact DP on time under each device's
     memory (None when nothing fits); "time", the same DP ignoring memory (torchgpipe's balance);
@@ -340,15 +353,18 @@ def _boundaries(costs: _Costs, point: _Point, flights: tuple[int, ...], balance:
         return uniform_boundaries(costs.legal, layout.stages)
     sc = costs.stages(layout, point.micro_batch)
     unlimited = (float("inf"),) * layout.stages
+    flights = tuple(role.in_flight for role in roles)
     if balance == "parameters":
         problem = make_problem(costs.params, sc.arrays.static_bytes, sc.arrays.activation_bytes,
                                np.zeros_like(sc.cut_s), costs.legal, unlimited, flights)
-    else:
-        # Interleaved: a device's v stages share its memory; each gets an equal share.
-        capacity = (tuple(sc.capacity[k % layout.pp] / layout.virtual
-                          for k in range(layout.stages)) if balance == "pipec" else unlimited)
+    elif balance == "time":
         problem = make_problem(sc.time_s, sc.arrays.static_bytes, sc.arrays.activation_bytes,
-                               sc.cut_s, costs.legal, capacity, flights)
+                               sc.cut_s, costs.legal, unlimited, flights)
+    else:
+        enter, leave = zip(*(ends_bytes(sc.arrays, role) for role in roles), strict=True)
+        problem = make_problem(sc.time_s, sc.arrays.static_bytes, sc.arrays.activation_bytes,
+                               sc.cut_s, costs.legal, _stage_capacity(sc, layout), flights,
+                               np.stack(enter), np.stack(leave), sc.arrays.working_bytes)
     partition = solve(problem)
     return None if partition is None else partition.boundaries
 
@@ -517,16 +533,17 @@ def _partition(costs: _Costs, point: _Point, balance: str,
     layout = point.layout
     micro_batches = (batch or costs.request.global_batch) // (layout.dp * point.micro_batch)
     flights = in_flight(point.schedule, layout.pp, micro_batches, layout.virtual)
-    boundaries = costs.boundaries(point, flights, balance)
+    roles = tuple(StageRole(k, layout.stages, micro_batches, f, layout.dp)
+                  for k, f in enumerate(flights))
+    boundaries = costs.boundaries(point, roles, balance)
     if boundaries is None:
         return None
     sc = costs.stages(layout, point.micro_batch)
-    stage_memory = tuple(float(sc.arrays.static_bytes[a:b].sum()
-                               + f * sc.arrays.activation_bytes[a:b].sum())
-                         for (a, b), f in zip(itertools.pairwise(boundaries), flights,
-                                              strict=True))
-    memory = tuple(sum(stage_memory[p::layout.pp]) for p in range(layout.pp))
-    return _Evaluated(point, boundaries, sc, memory, stage_memory, None, float("nan"))
+    stages = tuple(stage_memory(sc.arrays, a, b, role)
+                   for (a, b), role in zip(itertools.pairwise(boundaries), roles, strict=True))
+    memory = tuple(sum(m.total for m in stages[p::layout.pp]) + sc.runtime[p]
+                   for p in range(layout.pp))
+    return _Evaluated(point, boundaries, sc, memory, stages, None, float("nan"))
 
 
 def _timed(costs: _Costs, e: _Evaluated, batch: int | None = None,
@@ -667,13 +684,14 @@ def _stage_plan(costs: _Costs, e: _Evaluated, k: int, a: int, b: int) -> StagePl
         fwd_flops=sum(n.fwd_flops.at(m) for n in nodes),
         bwd_flops=sum(n.bwd_flops.at(m) for n in nodes),
         activation_bytes=float(sc.arrays.activation_bytes[a:b].sum()),
-        memory_bytes=e.stage_memory[k],
+        memory_bytes=e.stage_memory[k].total,
         time_s=compute + float(sc.cut_s[k, b]),
         compute_s=compute,
         boundary_bytes=0.0 if b == len(costs.graph.nodes) else costs.graph.cut_bytes[b].at(m),
         device=k % e.layout.pp,
         fwd_s=fwd,
         bwd_s=bwd,
+        memory=e.stage_memory[k],
     )
 
 
@@ -712,10 +730,6 @@ def _max_batch(costs: _Costs, method: str, splits: list[tuple[int, int]], balanc
             else costs.request.gpus)
     if not fits(unit):
         return MaxBatch(method, 0, False)
-    if method != "conventional" and _bounded_by_flight(costs.request):
-        # Under 1F1B at micro-batch 1 a stage holds at most pp micro-batches whatever the batch:
-        # fitting once means fitting at any size.
-        return MaxBatch(method, limit, True)
     low, high = 1, 2  # in units
     while high * unit <= limit and fits(high * unit):
         low, high = high, high * 2
@@ -727,10 +741,6 @@ def _max_batch(costs: _Costs, method: str, splits: list[tuple[int, int]], balanc
     return MaxBatch(method, low * unit, False)
 
 
-def _bounded_by_flight(request: PlanRequest) -> bool:
-    return request.schedule in ("auto", "1f1b")
-
-
 def _fits_batch(costs: _Costs, method: str, pp: int, dp: int, balance: str,
                 batch: int) -> bool:
     """Whether ``method`` trains a global ``batch`` in memory in its leanest configuration:
@@ -739,8 +749,8 @@ def _fits_batch(costs: _Costs, method: str, pp: int, dp: int, balance: str,
         micro_batch, schedule = batch // (dp * 4 * pp), "gpipe"
     else:
         micro_batch = 1
-        schedule = ("1f1b" if _bounded_by_flight(costs.request) and runs("1f1b", pp, batch // dp)
-                    else "gpipe")
+        schedule = ("1f1b" if costs.request.schedule in ("auto", "1f1b")
+                    and runs("1f1b", pp, batch // dp) else "gpipe")
     e = _partition(costs, _Point(_Layout(pp, dp), micro_batch, schedule), balance, batch)
     return e is not None and e.fits()
 

@@ -23,8 +23,9 @@ import torch
 from torch import fx
 from torch.fx.graph import PythonCode
 
-from pipec.annotate import COMPUTE_OPS, CostGraph, ValueSpec, live_values
+from pipec.annotate import COMPUTE_OPS, CostGraph, live_values
 from pipec.errors import TraceError
+from pipec.inplace import overwritten_inputs, storage_roots, written
 from pipec.planner import Plan
 from pipec.trace import Traced
 
@@ -66,19 +67,30 @@ def split(traced: Traced, graph: CostGraph, plan: Plan, user_module: str) -> Sta
     placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     codes: list[StageCode] = []
     imports: dict[str, None] = {}
+    roots = storage_roots(gm, compute)
+    specs = _Specs(graph, plan, {n.name: root.name for n, root in roots.items()},
+                   _grad_by_mutation(gm, compute, roots, graph))
     for stage in plan.stages:
         last = stage.index == len(plan.stages) - 1
         outputs = () if last else tuple(live[stage.end])
+        nodes = compute[stage.start:stage.end]
         # The first stage takes every model input, used or not: the data arrives whole.
         inputs = placeholders if stage.index == 0 else live[stage.start]
-        stage_graph, paths = _stage_graph(gm, compute[stage.start:stage.end], inputs, outputs)
+        input_specs = specs.of(inputs, stage.start, sent=stage.index > 0)
+        # A received input that requires grad and that the stage overwrites is cloned first:
+        # PipelineStage hands it over as a leaf, which autograd refuses to overwrite
+        # (nn.ReLU(inplace=True) right after the cut). That costs one copy of those inputs
+        # only; forbidding such cuts would take away a CNN's natural boundaries (a block often
+        # ends in such a ReLU). The first stage's inputs are the data, with no gradient.
+        copied = overwritten_inputs(gm, nodes, inputs) & {
+            name for name, spec in zip(inputs, input_specs, strict=True) if spec.requires_grad}
+        stage_graph, paths = _stage_graph(gm, nodes, inputs, outputs, copied)
         source, lines = _stage_source(stage_graph.python_code(root_module="self"), user_module)
         imports.update(dict.fromkeys(lines))
-        specs = _Specs(graph, plan)
         codes.append(StageCode(
             stage.index, f"Stage{stage.index}", tuple(inputs), outputs, paths, source,
-            input_specs=specs.of(inputs, sent=stage.index > 0),
-            output_specs=specs.of(outputs or _model_outputs(gm), sent=not last)))
+            input_specs=input_specs,
+            output_specs=specs.of(outputs or _model_outputs(gm), stage.end, sent=not last)))
     return Staged(tuple(codes), tuple(sorted(imports)), tied_parameters(gm, codes))
 
 
@@ -110,19 +122,37 @@ def _parameters_at(root: torch.nn.Module, path: str) -> list[tuple[str, torch.nn
 class _Specs:
     graph: CostGraph
     plan: Plan
+    roots: dict[str, str]  # value -> the value whose storage it may share (storage_roots)
+    grad_from: dict[str, int]  # see _grad_by_mutation
 
-    def of(self, names: Sequence[str], sent: bool) -> tuple[Boundary, ...]:
-        """Boundaries at the micro-batch size; a tensor sent between stages under bf16
-        autocast travels in bf16 (the stage casts it), halving the bytes sent."""
+    def of(self, names: Sequence[str], cut: int, sent: bool) -> tuple[Boundary, ...]:
+        """Boundaries at cut ``cut`` and the micro-batch size. Under bf16 autocast a tensor
+        sent between stages travels in the dtype the single-device autocast run gives it (a
+        Linear's output in bf16, an fp32 residual stream in fp32): rounding it at the cuts only
+        would make the numerics depend on the partition."""
         bf16 = sent and self.plan.request.training.precision == "bf16"
-        return tuple(_boundary(self.graph.value(name), self.plan.micro_batch, bf16)
-                     for name in names)
+        return tuple(self._boundary(name, cut, bf16) for name in names)
+
+    def _boundary(self, name: str, cut: int, bf16: bool) -> Boundary:
+        value = self.graph.value(name)
+        root = self.roots.get(name, name)
+        requires_grad = value.requires_grad or self.grad_from.get(root, cut + 1) <= cut
+        return Boundary(value.shape_at(self.plan.micro_batch),
+                        value.autocast_dtype if bf16 else value.dtype, requires_grad)
 
 
-def _boundary(value: ValueSpec, micro_batch: int, bf16: bool) -> Boundary:
-    floating = value.dtype in ("float32", "float16", "bfloat16", "float64")
-    return Boundary(value.shape_at(micro_batch), "bfloat16" if bf16 and floating else value.dtype,
-                    value.requires_grad)
+def _grad_by_mutation(gm: fx.GraphModule, compute: list[fx.Node],
+                      roots: dict[fx.Node, fx.Node], graph: CostGraph) -> dict[str, int]:
+    """Storages that an in-place op makes require grad (``x.add_(w)`` with x data and w a
+    weight's output), by root value (``roots``: storage_roots): the first cut after which every
+    value on them requires grad, whatever annotate measured when it was made."""
+    needs_grad = {v.name: v.requires_grad for v in graph.values}
+    grad_from: dict[str, int] = {}
+    for position, n in enumerate(compute):
+        target = written(gm, n)
+        if target is not None and needs_grad.get(n.name, False):
+            grad_from.setdefault(roots.get(target, target).name, position + 1)
+    return grad_from
 
 
 def _model_outputs(gm: fx.GraphModule) -> tuple[str, ...]:
@@ -136,12 +166,16 @@ def _model_outputs(gm: fx.GraphModule) -> tuple[str, ...]:
 
 
 def _stage_graph(gm: fx.GraphModule, nodes: list[fx.Node], inputs: list[str],
-                 outputs: tuple[str, ...]) -> tuple[fx.Graph, tuple[str, ...]]:
+                 outputs: tuple[str, ...], copied: set[str]) -> tuple[fx.Graph, tuple[str, ...]]:
+    """The stage's graph; each input in ``copied`` is cloned first, and the stage uses (and
+    forwards) the clone."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     by_name = {n.name: n for n in gm.graph.nodes}
-    for name in inputs:
-        env[by_name[name]] = graph.placeholder(name)
+    placeholders = {name: graph.placeholder(name) for name in inputs}
+    for name, placeholder in placeholders.items():
+        env[by_name[name]] = (graph.call_method("clone", (placeholder,)) if name in copied
+                              else placeholder)
     paths: list[str] = []
     for n in nodes:
         for arg in n.all_input_nodes:

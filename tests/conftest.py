@@ -85,3 +85,33 @@ def losses_of(text: str) -> list[float]:
     steps = [(int(k), float(v)) for k, v in STEP_LINE.findall(text)]
     assert [k for k, _ in steps] == list(range(1, len(steps) + 1)), text
     return [v for _, v in steps]
+
+
+def run_as_pipeline(stages_module: Any, model: torch.nn.Module,
+                    inputs: tuple[torch.Tensor, ...]) -> Any:
+    """The emitted stages in order, fed as torch.distributed.pipelining feeds them: each later
+    stage receives fresh leaf tensors with the ``requires_grad`` its INPUTS declare (which must
+    be what the sender's outputs have), and backward runs stage by stage from the sum of the
+    squared output, each stage's input gradients being the previous stage's output gradients.
+    Returns the output; the model's parameters hold the gradients."""
+    stages = [stage_class(model) for stage_class in stages_module.STAGES]
+    received: list[tuple[torch.Tensor, ...]] = []
+    sent: list[tuple[torch.Tensor, ...]] = []
+    values, output = tuple(inputs), None
+    for k, stage in enumerate(stages):
+        if k > 0:
+            assert [v.requires_grad for v in values] == [g for _, _, g in stage.INPUTS], k
+            values = tuple(v.detach().requires_grad_(g) for v, (_, _, g) in zip(
+                values, stage.INPUTS, strict=True))
+        received.append(values)
+        output = stage(*values)
+        sent.append(output if isinstance(output, tuple) else (output,))
+        values = sent[-1]
+    if any(t.requires_grad for t in sent[-1]):
+        sum(t.square().sum() for t in sent[-1] if t.requires_grad).backward()
+    for k in reversed(range(len(stages) - 1)):
+        pairs = [(out, leaf.grad) for out, leaf in zip(sent[k], received[k + 1], strict=True)
+                 if out.requires_grad and leaf.grad is not None]
+        if pairs:
+            torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
+    return output

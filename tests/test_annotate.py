@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import MODELS, SAMPLES
-from pipec.annotate import MEASURED_BATCHES, CostGraph, annotate
+from pipec.annotate import CostGraph, annotate
 from pipec.calibrate import measured_saved_bytes
 from pipec.loader import load_model_file
 from pipec.trace import Traced, batch_inputs, trace_model
@@ -17,7 +17,7 @@ from pipec.trace import Traced, batch_inputs, trace_model
 def analyse(path: Path) -> tuple[Traced, CostGraph]:
     spec = load_model_file(path)
     traced = trace_model(spec)
-    return traced, annotate(traced, [batch_inputs(spec, size)[0] for size in MEASURED_BATCHES])
+    return traced, annotate(traced, spec)
 
 
 def test_nothing_is_allocated() -> None:

@@ -13,7 +13,7 @@ import torch
 from torch import fx, nn
 
 from conftest import MODELS, SAMPLES, compile_to
-from pipec.annotate import MEASURED_BATCHES, annotate
+from pipec.annotate import annotate
 from pipec.calibrate import (
     _backward_seconds,
     _even_correction,
@@ -28,7 +28,7 @@ from pipec.costmodel import Calibration, Fit, NodeTiming
 from pipec.errors import ConfigError
 from pipec.loader import load_model_file
 from pipec.normalize import plan_norms
-from pipec.trace import batch_inputs, trace_model
+from pipec.trace import trace_model
 
 
 def test_fit_recovers_known_constants() -> None:
@@ -105,7 +105,7 @@ def test_node_times_interpolate_and_extrapolate() -> None:
 def _synthetic(graph_model: Path, fit: Fit) -> Calibration:
     """Made-up node times for ``graph_model``: node i takes i ms per sample forward, 2i back."""
     spec = load_model_file(graph_model)
-    graph = annotate(trace_model(spec), [batch_inputs(spec, s)[0] for s in MEASURED_BATCHES])
+    graph = annotate(trace_model(spec), spec)
     return Calibration("cpu", fit, fit, tuple(
         NodeTiming(n.name, n.target, (1, 4), (i * 1e-3, i * 4e-3), (i * 2e-3, i * 8e-3))
         for i, n in enumerate(graph.nodes)), stage_overhead_s=(1e-4, 3e-4))
@@ -140,7 +140,7 @@ def test_another_models_node_times_fall_back_to_the_fit(tmp_path: Path,
 def test_profile_times_batch_norms_as_the_group_norms_pipelines_run() -> None:
     spec = load_model_file(SAMPLES / "resnet.py")
     traced = trace_model(spec)
-    graph = annotate(traced, [batch_inputs(spec, s)[0] for s in MEASURED_BATCHES])
+    graph = annotate(traced, spec)
     real = fx.symbolic_trace(spec.build_model())
     _to_group_norms(real, traced, graph)
     expected = plan_norms(traced, graph, 2, 1, 1, "group").rewrites

@@ -32,6 +32,9 @@ def test_metrics_file_has_every_stage_and_rank(measured: tuple[Path, Path]) -> N
     assert sorted(r["rank"] for r in metrics["ranks"]) == [0, 1]
     for rank in metrics["ranks"]:
         assert rank["busy_s"] + rank["idle_s"] == pytest.approx(rank["step_s"], rel=1e-6)
+        # Measured on CPU too: above the process's baseline (some 200 MiB), a few MiB here.
+        assert rank["memory_measure"] == "peak RSS less file-backed pages"
+        assert 2**20 < rank["peak_memory_bytes"] < 64 * 2**20 < rank["baseline_memory_bytes"]
     assert metrics["samples_per_s"] == pytest.approx(16 / metrics["step_s"])
 
 
@@ -40,28 +43,43 @@ def test_compare_puts_prediction_and_measurement_side_by_side(
     comparison = compare(*measured)
     plan = json.loads((measured[0] / "plan.json").read_text())
     assert [s.predicted_fwd_s for s in comparison.stages] == [s["fwd_s"] for s in plan["stages"]]
-    assert all(s.ratio > 0 for s in comparison.stages) and comparison.findings
+    assert comparison.predicted_memory == tuple(plan["predicted"]["peak_memory_bytes"])
+    metrics = json.loads(measured[1].read_text())
+    assert comparison.measured_memory == tuple(
+        next(r["peak_memory_bytes"] for r in metrics["ranks"] if r["device"] == d)
+        for d in (0, 1))
+    assert set(comparison.memory_terms[1]) >= {"static", "activations", "receive_buffers",
+                                               "loss", "runtime"}
     assert main(["compare", str(measured[0]), str(measured[1])]) == 0
     printed = capsys.readouterr().out
-    assert "measured ÷ predicted" in printed and "Findings:" in printed
+    assert "measured ÷ predicted" in printed and "peak memory MiB, device 1" in printed
 
 
 def _comparison(ratios: tuple[float, float], idle: float = 0.2,
                 memory: float | None = None) -> Comparison:
     stages = tuple(StageComparison(k, k, 1.0, r, 2.0, 2 * r) for k, r in enumerate(ratios))
-    return Comparison(stages, 10.0, 10.0, 0.2, idle, (100.0, 100.0), (memory, None), "cuda", ())
+    terms = ({"static": 60.0, "activations": 30.0, "receive_buffers": 10.0},) * 2
+    return Comparison(stages, 10.0, 10.0, 0.2, idle, (100.0, 100.0), (memory, None), "cuda", (),
+                      memory_terms=terms)
 
 
 def test_findings_name_the_assumption_that_is_off() -> None:
-    assert findings(_comparison((1.0, 1.1))) == ("the predictions hold within 1.25×",)
+    assert findings(_comparison((1.0, 1.1), memory=110.0)) == (
+        "the predictions hold: time within 1.25×, memory within ±15%",)
     assert "compute: the stages take 2.00×" in findings(_comparison((2.0, 2.0)))[0]
     assert "run `pipec profile MODEL --device cuda`" in findings(_comparison((2.0, 2.0)))[0]
     calibrated = replace(_comparison((2.0, 2.0)), calibrated=True)
     assert "already calibrated" in findings(calibrated)[0]
     assert findings(_comparison((0.8, 1.3)))[0].startswith("balance: stage 1 runs 1.30×")
     assert "communication: devices idle 50%" in findings(_comparison((1.0, 1.0), idle=0.5))[0]
-    assert "memory: device 0 peaked" in findings(_comparison((1.0, 1.0), memory=200.0))[0]
-    assert "n/a (CPU)" in render(_comparison((1.0, 1.0)))
+    # 28 bytes above the prediction: nearest the 30-byte activations term; 18 below: the
+    # 10-byte receive buffers (the 30-byte activations are 12 away).
+    above = findings(_comparison((1.0, 1.0), memory=128.0))[0]
+    assert above.startswith("memory: device 0 peaked") and "nearest the 'activations' term" in above
+    assert "missing or undercounted" in above
+    below = findings(_comparison((1.0, 1.0), memory=82.0))[0]
+    assert "nearest the 'receive_buffers' term" in below and "overcounted" in below
+    assert "n/a" in render(_comparison((1.0, 1.0)))
 
 
 def test_metrics_of_another_plan_are_refused(measured: tuple[Path, Path],

@@ -25,11 +25,16 @@ def problems(draw: st.DrawFn) -> tuple:
                       for _ in range(stages)])
     legal = np.array([True, *draw(st.lists(st.booleans(), min_size=n - 1, max_size=n - 1)),
                       True])
+    # What a stage's ends and its largest node's working set add (buffers, loss, gradients).
+    enter, leave = (np.array([draw(st.lists(floats, min_size=n + 1, max_size=n + 1))
+                              for _ in range(stages)]) for _ in range(2))
+    working = np.array(draw(st.lists(floats, min_size=n, max_size=n)))
     # Capacities between "almost nothing fits" and "everything fits", so memory binds often.
-    total = float(static.sum() + stages * activation.sum())
+    total = float(static.sum() + stages * activation.sum() + 30.0)
     capacity = tuple(draw(st.floats(0.0, total + 1.0)) for _ in range(stages))
     in_flight = tuple(draw(st.integers(1, 4)) for _ in range(stages))
-    return make_problem(costs, static, activation, cut_s, legal, capacity, in_flight)
+    return make_problem(costs, static, activation, cut_s, legal, capacity, in_flight,
+                        enter, leave, working)
 
 
 @settings(max_examples=300, deadline=None)

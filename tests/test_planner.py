@@ -217,11 +217,28 @@ def test_pipec_trains_at_least_the_batch_of_every_baseline(tmp_path: Path) -> No
     assert data["pipec"] == pipec.batch and set(data["baselines"]) == {b.method for b in baselines}
 
 
-def test_1f1b_makes_the_batch_unbounded_by_memory(tmp_path: Path) -> None:
+def test_1f1b_pipelines_have_a_real_batch_bound(tmp_path: Path) -> None:
+    """1F1B holds pp micro-batches of activations, but a receive buffer per micro-batch: a
+    fixed pipeline's batch is bounded; the search's answer compiles and the next does not."""
+    device = _small_device(tmp_path, 8)
+    plan = compile_to(SAMPLES / "resnet.py", tmp_path / "a", gpus=2, pp=2, batch_size=16,
+                      schedule="1f1b", hardware=device)
+    best = plan.max_batch[0]
+    assert not best.capped and 16 <= best.batch < plan.max_batch_limit
+    fits = compile_to(SAMPLES / "resnet.py", tmp_path / "b", gpus=2, pp=2, micro_batch=1,
+                      batch_size=best.batch, schedule="1f1b", hardware=device)
+    assert fits.num_micro_batches == best.batch
+    with pytest.raises(InfeasibleError):
+        compile_to(SAMPLES / "resnet.py", tmp_path / "c", gpus=2, pp=2, micro_batch=1,
+                   batch_size=best.batch + 2, schedule="1f1b", hardware=device)
+
+
+def test_data_parallelism_is_bounded_only_by_the_steps_inputs(tmp_path: Path) -> None:
     plan = compile_to(SAMPLES / "resnet.py", tmp_path / "o", gpus=2, batch_size=16,
                       hardware=_small_device(tmp_path, 24))
     assert plan.max_batch[0].capped and plan.max_batch[0].batch == plan.max_batch_limit
-    assert "≥ 1,024" in (tmp_path / "o" / "report.md").read_text()
+    report = (tmp_path / "o" / "report.md").read_text()
+    assert "≥ 1,024" in report and "pure data parallelism has no receive buffers" in report
 
 
 def test_conventional_max_batch_steps_by_its_own_micro_batch_count(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import MODELS, SAMPLES, compile_to, emitted_modules
+from conftest import MODELS, SAMPLES, compile_to, emitted_modules, run_as_pipeline
 
 MODEL_FILES = [SAMPLES / "mlp.py", SAMPLES / "resnet.py", SAMPLES / "gpt.py",
                MODELS / "skip_two_inputs.py", MODELS / "shared_module.py",
@@ -79,3 +79,83 @@ def test_stage_state_dict_keys_are_the_models(tmp_path: Path) -> None:
         stages.rewrite_norms(model)
         keys = [k for cls in stages.STAGES for k in cls(model).state_dict()]
     assert sorted(keys) == sorted(model.state_dict())
+
+
+def test_a_stage_clones_the_received_inputs_it_overwrites_in_place(tmp_path: Path) -> None:
+    """One stage per node: nn.ReLU(inplace=True), y.add_(x) and F.relu(y, inplace=True) each
+    begin a stage whose input is, under torch.distributed.pipelining, a leaf that requires grad
+    (which autograd refuses to overwrite). Only those inputs are cloned: not one that needs no
+    gradient (the second model input, passed on by every stage and overwritten by the last)."""
+    probe = compile_to(MODELS / "inplace_cnn.py", tmp_path / "probe", gpus=1, batch_size=8)
+    compile_to(MODELS / "inplace_cnn.py", tmp_path / "out", gpus=probe.stages[0].end,
+               batch_size=8)
+    with emitted_modules(tmp_path / "out") as (user, stages):
+        sources = [inspect.getsource(cls.forward) for cls in stages.STAGES]
+        torch.manual_seed(0)
+        model = user.build_model()
+        inputs, _ = user.sample_batch(8)
+        expected = model(*(t.clone() for t in inputs))
+        expected.square().sum().backward()
+        gradients = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad()
+        output = run_as_pipeline(stages, model, tuple(t.clone() for t in inputs))
+    torch.testing.assert_close(output, expected, rtol=0, atol=0)
+    for name, parameter in model.named_parameters():
+        torch.testing.assert_close(parameter.grad, gradients[name], msg=name)
+    cloned = [k for k, source in enumerate(sources) if ".clone()" in source]
+    in_place = [k for k, source in enumerate(sources)
+                if "self.relu(" in source or ".add_(" in source or "inplace = True" in source]
+    assert cloned == in_place and len(cloned) == 3
+    assert any(".mul_(" in source and ".clone()" not in source for source in sources)
+
+
+def test_a_value_an_in_place_op_gives_a_gradient_is_sent_with_it(tmp_path: Path) -> None:
+    """``x.add_(h)`` with x the data and h a layer's output: x requires grad from then on, so
+    the boundaries after it declare it (or PipelineStage would drop its gradient)."""
+    path = tmp_path / "data_add.py"
+    path.write_text("\n".join([
+        "import torch", "from torch import nn", "", "",
+        "class DataAdd(nn.Module):", "    def __init__(self):", "        super().__init__()",
+        "        self.a = nn.Linear(4, 4)", "        self.b = nn.Linear(4, 3)", "",
+        "    def forward(self, x):", "        h = self.a(torch.tanh(x))", "        x.add_(h)",
+        "        return self.b(torch.tanh(x))", "", "",
+        "def build_model():", "    return DataAdd()", "", "",
+        "def sample_batch(batch_size):",
+        "    return torch.randn(batch_size, 4), torch.randint(0, 3, (batch_size,))", ""]))
+    compile_to(path, tmp_path / "out", gpus=5, batch_size=8)  # tanh, a, add_, tanh, b
+    with emitted_modules(tmp_path / "out") as (user, stages):
+        # Each stage's first input is x, then the tanh of x.add_(h).
+        assert [cls.INPUTS[0][2] for cls in stages.STAGES] == [False, False, False, True, True]
+        torch.manual_seed(0)
+        model = user.build_model()
+        inputs = (user.sample_batch(8)[0],)
+        model(inputs[0].clone()).square().sum().backward()
+        gradients = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad()
+        run_as_pipeline(stages, model, tuple(t.clone() for t in inputs))
+    for name, parameter in model.named_parameters():
+        torch.testing.assert_close(parameter.grad, gradients[name], msg=name)
+
+
+@pytest.mark.parametrize("num_stages", [2, 3])
+def test_bf16_boundaries_carry_the_dtype_of_the_single_device_autocast_run(
+        num_stages: int, tmp_path: Path) -> None:
+    """An fp32 residual stream x = x + f(x) crosses the cuts in fp32, as it is on one device
+    under autocast (a Linear's output in bf16): the stages, run with their casts, give exactly
+    the single-stage output. Rounding the stream to bf16 at the cuts would not."""
+    outputs = []
+    for name, stages_count in (("one", 1), ("split", num_stages)):
+        compile_to(MODELS / "residual_mlp.py", tmp_path / name, gpus=stages_count, batch_size=8,
+                   precision="bf16")
+        with emitted_modules(tmp_path / name) as (user, stages):
+            torch.manual_seed(0)
+            model = user.build_model()
+            inputs, _ = user.sample_batch(8)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                outputs.append(composed(stages, model, (inputs,)))
+            received = [dtype for cls in stages.STAGES[1:] for _, dtype, _ in cls.INPUTS]
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=0, atol=0)
+    assert len(stages.STAGES) == num_stages
+    # Every cut carries the residual stream, in fp32; one inside a block also a bf16 output.
+    assert received.count("float32") == num_stages - 1
+    assert set(received) <= {"float32", "bfloat16"}

@@ -149,6 +149,25 @@ def test_non_contiguous_values_and_gradients_cross_every_cut(tmp_path: Path) -> 
                              schedule="gpipe"), reference)
 
 
+def test_in_place_ops_right_after_every_cut_train_like_one_process(tmp_path: Path) -> None:
+    """One stage per node: nn.ReLU(inplace=True), y.add_(x) and F.relu(y, inplace=True) each
+    begin a stage, whose received input PipelineStage makes a leaf that requires grad; a second
+    input passes through every stage and the last but one overwrites it."""
+    reference = train(MODELS / "inplace_cnn.py", tmp_path, "one", 1)
+    plan = compile_to(MODELS / "inplace_cnn.py", tmp_path / "probe", gpus=1, batch_size=16)
+    stages = plan.stages[0].end
+    assert_same_losses(train(MODELS / "inplace_cnn.py", tmp_path, "every", stages,
+                             schedule="gpipe"), reference)
+
+
+def test_bf16_pipeline_trains_like_one_process(tmp_path: Path) -> None:
+    """Under bf16 autocast the fp32 residual stream crosses the cut in fp32, as on one process:
+    the same losses, not ones that depend on where the cut is."""
+    reference = train(MODELS / "residual_mlp.py", tmp_path, "one", 1, precision="bf16")
+    assert_same_losses(train(MODELS / "residual_mlp.py", tmp_path, "pp2", 2, precision="bf16"),
+                       reference)
+
+
 def test_bf16_autocast_trains_close_to_fp32(tmp_path: Path) -> None:
     reference = train(SAMPLES / "gpt.py", tmp_path, "fp32", 2)
     mixed = train(SAMPLES / "gpt.py", tmp_path, "bf16", 2, precision="bf16")

@@ -3,16 +3,26 @@ schedule, global gradient clipping, stopping on a non-finite loss, sharded real 
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType, SimpleNamespace
 
 import pytest
 import torch
 
-from conftest import MODELS, SAMPLES, STEP_LINE, compile_to, run_forked, run_forked_text
+from conftest import (
+    MODELS,
+    SAMPLES,
+    STEP_LINE,
+    compile_to,
+    emitted_modules,
+    run_forked,
+    run_forked_text,
+)
 
 
 def steps_of(text: str) -> dict[int, float]:
@@ -127,3 +137,57 @@ def test_clipping_counts_a_tied_weight_once(tmp_path: Path) -> None:
     piped = run_forked_text(tmp_path / "pp4", 4, *clip)
     assert column(piped, "grad_norm") == pytest.approx(column(one, "grad_norm"), rel=1e-4)
     assert column(piped, "loss") == pytest.approx(column(one, "loss"), rel=1e-4)
+
+
+ACTIVATION_STAGE = """import torch
+from torch import nn
+
+
+def build_model():
+    return nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+
+
+def sample_batch(batch_size):
+    return torch.randn(batch_size, 8), torch.randint(0, 4, (batch_size,))
+"""
+
+
+def test_clipping_with_a_stage_without_parameters(tmp_path: Path) -> None:
+    """The middle stage is the Tanh alone: no gradients, yet it takes part in the norm's
+    all-reduce."""
+    (tmp_path / "activation_stage.py").write_text(ACTIVATION_STAGE)
+    for name, gpus in (("one", 1), ("pp3", 3)):
+        compile_to(tmp_path / "activation_stage.py", tmp_path / name, gpus=gpus, batch_size=16)
+    with emitted_modules(tmp_path / "pp3") as (user, stages):
+        assert [len(list(cls(user.build_model()).parameters())) for cls in stages.STAGES] == [
+            2, 0, 2]
+    clip = ("--steps", "3", "--clip-norm", "0.1", "--lr", "0.5")
+    one = run_forked_text(tmp_path / "one", 1, *clip)
+    piped = run_forked_text(tmp_path / "pp3", 3, *clip)
+    assert column(piped, "grad_norm") == pytest.approx(column(one, "grad_norm"), rel=1e-4)
+    assert column(one, "grad_norm")[0] > 0.1
+    assert column(piped, "loss") == pytest.approx(column(one, "loss"), rel=1e-4)
+
+
+def emitted_train(out: Path) -> ModuleType:
+    """The emitted train.py as a module (not run), with its model and stages."""
+    with emitted_modules(out):
+        spec = importlib.util.spec_from_file_location("emitted_train", out / "train.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return module
+
+
+def test_a_rank_without_gradients_reduces_the_norm_on_its_own_device(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """NCCL all-reduces CUDA tensors only: the norm of a rank whose stages have no gradients
+    must be on the rank's device, not on the CPU. (Here the meta device stands for it.)"""
+    compile_to(SAMPLES / "mlp.py", tmp_path / "o", gpus=1, batch_size=16)
+    train = emitted_train(tmp_path / "o")
+    reduced: list[torch.device] = []
+    monkeypatch.setattr(train, "dist", SimpleNamespace(
+        all_reduce=lambda tensor, group: reduced.append(tensor.device)))
+    mesh = {"pp": SimpleNamespace(get_group=lambda: None)}
+    norm = train.clip_global_norm([torch.nn.Tanh()], 1.0, mesh, torch.device("meta"))
+    assert reduced == [torch.device("meta")] and norm.device == torch.device("meta")

@@ -1,0 +1,191 @@
+"""Predicted against measured peak memory, per device, for plans run for real on CPU processes.
+
+Each case compiles a model with `pipec compile --hardware cpu` and fixed choices (pp × dp,
+micro-batch, schedule, optimizer), runs the emitted train.py under torchrun for a few steps with
+`--metrics`, and sets each pipeline device's predicted peak (plan.json) against its measured
+peak (the largest over its data-parallel replicas): the peak resident set size above the
+process's own baseline, taken before the model is built, with glibc returning large frees to
+the OS (see docs/runtime.md). The target is every device within ±15 %.
+
+    python benchmarks/memory_fidelity.py [--steps 3] [--only NAME ...] [--check]
+
+`--check` exits 1 when a device misses the target. `--max-batch` also checks one predicted
+maximum batch for real: the long-sequence LM on 2 pipeline devices (1F1B) of a
+`--device-mib`-sized device; the largest batch pipec reports is run, its measured peak must stay
+within the device, and the next batch must be refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from tabulate import tabulate
+
+ROOT = Path(__file__).resolve().parent.parent
+PIPEC = [sys.executable, "-m", "pipec.cli"]
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+TARGET = 0.15
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    model: str  # relative to the repository
+    processes: int
+    options: tuple[str, ...]  # pipec compile flags beyond --gpus and --hardware
+    stresses: str
+
+
+CASES = (
+    Case("gpt 1f1b", "samples/gpt.py", 2,
+         ("--pp", "2", "--batch-size", "32", "--micro-batch", "4", "--schedule", "1f1b"),
+         "the sample transformer"),
+    Case("mlp gpipe", "samples/mlp.py", 2,
+         ("--pp", "2", "--batch-size", "64", "--micro-batch", "8", "--schedule", "gpipe"),
+         "a model whose runtime outweighs it"),
+    Case("resnet 1f1b", "samples/resnet.py", 2,
+         ("--pp", "2", "--batch-size", "32", "--micro-batch", "4", "--schedule", "1f1b"),
+         "BatchNorm → GroupNorm, residuals"),
+    Case("long-lm 1f1b M16", "benchmarks/models/long_lm.py", 2,
+         ("--pp", "2", "--batch-size", "16", "--micro-batch", "1", "--schedule", "1f1b"),
+         "vocabulary 4096 × sequence 1024: logits, loss, receive buffers × 16"),
+    Case("long-lm dp2 adamw", "benchmarks/models/long_lm.py", 2,
+         ("--pp", "1", "--batch-size", "8", "--micro-batch", "2", "--optimizer", "adamw"),
+         "data-parallel replicas (DDP buckets), AdamW state"),
+    Case("long-lm gpipe adamw", "benchmarks/models/long_lm.py", 2,
+         ("--pp", "2", "--batch-size", "8", "--micro-batch", "2", "--schedule", "gpipe",
+          "--optimizer", "adamw"),
+         "every micro-batch in flight, AdamW"),
+    Case("unet gpipe", "benchmarks/models/unet.py", 2,
+         ("--pp", "2", "--batch-size", "16", "--micro-batch", "4", "--schedule", "gpipe"),
+         "large feature maps, skips across the cut, in-place ReLU"),
+    Case("gpt interleaved", "samples/gpt.py", 2,
+         ("--pp", "2", "--batch-size", "32", "--micro-batch", "4", "--schedule",
+          "interleaved", "--virtual-stages", "2"),
+         "two stages per device"),
+    Case("long-lm 1f1b pp4 M32", "benchmarks/models/long_lm.py", 4,
+         ("--pp", "4", "--batch-size", "32", "--micro-batch", "1", "--schedule", "1f1b"),
+         "1F1B with many micro-batches on 4 stages"),
+    Case("unet pp2×dp2", "benchmarks/models/unet.py", 4,
+         ("--pp", "2", "--batch-size", "16", "--micro-batch", "2", "--schedule", "1f1b"),
+         "pipeline × data parallelism"),
+    Case("resnet gpipe pp4", "samples/resnet.py", 4,
+         ("--pp", "4", "--batch-size", "64", "--micro-batch", "8", "--schedule", "gpipe"),
+         "4 stages, every micro-batch in flight"),
+    Case("gpt interleaved pp4", "samples/gpt.py", 4,
+         ("--pp", "4", "--batch-size", "32", "--micro-batch", "2", "--schedule",
+          "interleaved", "--virtual-stages", "2", "--optimizer", "adamw"),
+         "8 stages on 4 devices, AdamW"),
+)
+
+
+def run(command: list[str], cwd: Path | None = None) -> str:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True,
+                            check=False)
+    if result.returncode:
+        raise SystemExit(f"{' '.join(command)} failed:\n{result.stdout}\n{result.stderr}")
+    return result.stdout
+
+
+def measure(case: Case, work: Path, steps: int) -> list[tuple[str, ...]]:
+    """One row per pipeline device: predicted and measured MiB, error, the largest terms."""
+    out = work / case.name.replace(" ", "_")
+    run([*PIPEC, "compile", str(ROOT / case.model), "--gpus", str(case.processes),
+         "--hardware", "cpu", *case.options, "-o", str(out)])
+    run([str(TORCHRUN), "--standalone", "--nproc_per_node", str(case.processes), "train.py",
+         "--steps", str(steps), "--metrics", "metrics.json"], cwd=out)
+    plan = json.loads((out / "plan.json").read_text())
+    metrics = json.loads((out / "metrics.json").read_text())
+    rows = []
+    for device, predicted in enumerate(plan["predicted"]["peak_memory_bytes"]):
+        measured = max(r["peak_memory_bytes"] for r in metrics["ranks"]
+                       if r["device"] == device)
+        terms = plan["predicted"]["memory_terms"][device]
+        largest = sorted(terms, key=lambda t: -terms[t])[:3]
+        rows.append((case.name, str(device), f"{predicted / MIB:.1f}", f"{measured / MIB:.1f}",
+                     f"{measured / predicted - 1:+.1%}",
+                     ", ".join(f"{t} {terms[t] / MIB:.0f}" for t in largest)))
+    return rows
+
+
+def check_max_batch(work: Path, device_mib: int, steps: int) -> None:
+    """Compile at the reported maximum batch and run it; the next batch must be refused."""
+    model = str(ROOT / "benchmarks/models/long_lm.py")
+    device = work / "device.json"
+    device.write_text(json.dumps({
+        "name": f"cpu-{device_mib}m", "fp32_flops": 5e10, "bf16_flops": 2e10,
+        "memory_bandwidth": 1e10, "memory_bytes": device_mib * MIB,
+        "intra_node_bandwidth": 2e9, "inter_node_bandwidth": 1e9,
+        "intra_node_latency_s": 5e-5, "inter_node_latency_s": 1e-4,
+        "kernel_overhead_s": 2e-5, "efficiency": 1.0, "runtime_bytes": 0.9 * MIB}))
+    fixed = ["--gpus", "2", "--pp", "2", "--schedule", "1f1b", "--hardware", str(device)]
+    run([*PIPEC, "compile", model, *fixed, "--batch-size", "2", "-o", str(work / "search")])
+    largest = json.loads((work / "search" / "plan.json").read_text())["max_batch"]["pipec"]
+    out = work / "largest"
+    run([*PIPEC, "compile", model, *fixed, "--batch-size", str(largest), "--micro-batch", "1",
+         "-o", str(out)])
+    run([str(TORCHRUN), "--standalone", "--nproc_per_node", "2", "train.py", "--steps",
+         str(steps), "--metrics", "metrics.json"], cwd=out)
+    plan = json.loads((out / "plan.json").read_text())
+    metrics = json.loads((out / "metrics.json").read_text())
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    refused = subprocess.run([*PIPEC, "compile", model, *fixed, "--batch-size", str(largest + 2),
+                              "--micro-batch", "1", "-o", str(work / "next")], env=env,
+                             capture_output=True, text=True, check=False)
+    print(f"\nmax batch on 2 × {device_mib} MiB devices (long-lm, pp 2, 1F1B): pipec reports "
+          f"{largest}; run at {largest}:")
+    for rank in sorted(metrics["ranks"], key=lambda r: r["device"]):
+        predicted = plan["predicted"]["peak_memory_bytes"][rank["device"]]
+        measured = rank["peak_memory_bytes"]
+        print(f"  device {rank['device']}: predicted {predicted / MIB:.1f} MiB, measured "
+              f"{measured / MIB:.1f} MiB of {device_mib} MiB: "
+              f"{'within' if measured <= device_mib * MIB else 'OVER'} the device")
+    print(f"  batch {largest + 2}: {'refused' if refused.returncode == 2 else 'NOT refused'} "
+          f"({refused.stderr.strip().splitlines()[-1] if refused.stderr.strip() else 'ok'})")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--only", nargs="*", default=None, help="case names to run")
+    parser.add_argument("--check", action="store_true", help="exit 1 when a device misses ±15%%")
+    parser.add_argument("--max-batch", action="store_true",
+                        help="also run one predicted maximum batch for real")
+    parser.add_argument("--device-mib", type=int, default=192)
+    args = parser.parse_args()
+    cases = [c for c in CASES if args.only is None or c.name in args.only]
+    rows: list[tuple[str, ...]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for case in cases:
+            rows += measure(case, Path(tmp), args.steps)
+            print("\n".join(" | ".join(r) for r in rows if r[0] == case.name), flush=True)
+    if rows:
+        summarize(rows, len(cases), args.check)
+    if args.max_batch:
+        with tempfile.TemporaryDirectory() as tmp:
+            check_max_batch(Path(tmp), args.device_mib, args.steps)
+
+
+def summarize(rows: list[tuple[str, ...]], cases: int, check: bool) -> None:
+    print()
+    print(tabulate(rows, ("case", "device", "predicted MiB", "measured MiB", "error",
+                          "largest predicted terms (MiB)"), tablefmt="github"))
+    errors = [abs(float(r[4].rstrip("%")) / 100) for r in rows]
+    missed = sum(e > TARGET for e in errors)
+    print(f"\n{len(rows)} devices in {cases} cases: worst error {max(errors):.1%}, "
+          f"{missed} outside ±{TARGET:.0%}")
+    if check and missed:
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()

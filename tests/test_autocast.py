@@ -1,0 +1,97 @@
+"""Each value's dtype under bf16 autocast, found on fake tensors: equal to a real autocast run,
+with each device type's rules, and the bytes that then cross each cut."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from torch import fx, nn
+from torch.nn import functional as F
+
+from conftest import MODELS, SAMPLES
+from pipec.annotate import annotate
+from pipec.autocast import autocast_dtypes
+from pipec.loader import load_model_file
+from pipec.trace import batch_inputs, trace_model
+
+
+class _Dtypes(fx.Interpreter):
+    """A real run that records each tensor value's dtype."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.dtypes: dict[str, str] = {}
+
+    def run_node(self, n: fx.Node) -> object:
+        value = super().run_node(n)
+        if isinstance(value, torch.Tensor) and n.op != "output":
+            self.dtypes[n.name] = str(value.dtype).removeprefix("torch.")
+        return value
+
+
+@pytest.mark.parametrize("path", [SAMPLES / "gpt.py", SAMPLES / "resnet.py",
+                                  MODELS / "residual_mlp.py", MODELS / "skip_two_inputs.py"],
+                         ids=lambda p: p.stem)
+def test_fake_dtypes_equal_a_real_cpu_autocast_run(path: Path) -> None:
+    spec = load_model_file(path)
+    traced = trace_model(spec)
+    inputs = batch_inputs(spec, 2)[0]
+    torch.manual_seed(0)
+    real = _Dtypes(fx.GraphModule(spec.build_model(), traced.graph_module.graph))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        real.run(*inputs)
+    found = autocast_dtypes(traced.graph_module, inputs, "cpu")
+    assert found == real.dtypes and "bfloat16" in found.values()
+
+
+class _NormOfLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(self.linear(x), (4,)) + x
+
+
+def test_the_device_types_rules_apply() -> None:
+    """CUDA's autocast runs layer_norm in fp32; CPU's keeps its bf16 input's dtype. The CUDA
+    rules apply on this machine without CUDA."""
+    with torch.device("meta"):
+        gm = fx.symbolic_trace(_NormOfLinear())
+    x = torch.randn(2, 4)
+    assert autocast_dtypes(gm, [x], "cuda") == {
+        "x": "float32", "linear": "bfloat16", "layer_norm": "float32", "add": "float32"}
+    assert autocast_dtypes(gm, [x], "cpu")["layer_norm"] == "bfloat16"
+    assert not torch.is_autocast_enabled("cuda") and not torch.is_autocast_enabled("cpu")
+
+
+def test_a_graph_fake_tensors_cannot_run_keeps_its_dtypes(caplog: pytest.LogCaptureFixture
+                                                          ) -> None:
+    class DataDependent(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * x.sum().item()
+
+    gm = fx.symbolic_trace(DataDependent())
+    with caplog.at_level(logging.WARNING, logger="pipec.autocast"):
+        assert autocast_dtypes(gm, [torch.randn(2, 4)], "cpu") == {}
+    assert "fp32 dtype" in caplog.text
+
+
+def test_cut_bytes_under_bf16_count_each_value_in_its_autocast_dtype() -> None:
+    spec = load_model_file(MODELS / "residual_mlp.py")
+    graph = annotate(trace_model(spec), spec, autocast_device="cpu")
+    width = 16
+    linear = next(i for i, n in enumerate(graph.nodes) if n.module == "blocks.0.linear")
+    assert graph.value(graph.nodes[linear].name).autocast_dtype == "bfloat16"
+    assert graph.value("x").autocast_dtype == graph.value("x").dtype == "float32"
+    # Before the first block's Linear: the fp32 stream only, not half of it.
+    assert graph.cut_bytes_bf16[linear].per_sample == width * 4
+    assert graph.cut_bytes[linear].per_sample == width * 4
+    # After it: the fp32 stream and the Linear's bf16 output.
+    assert graph.cut_bytes[linear + 1].per_sample == 2 * width * 4
+    assert graph.cut_bytes_bf16[linear + 1].per_sample == width * 4 + width * 2
+    assert graph.cut_bytes_at("bf16") == graph.cut_bytes_bf16
+    assert graph.cut_bytes_at("fp32") == graph.cut_bytes
