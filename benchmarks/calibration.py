@@ -28,7 +28,7 @@ from tabulate import tabulate
 
 from pipec.calibrate import profile_model, save_calibration
 from pipec.driver import CompileOptions, compile_model
-from pipec.emit import emitted_modules
+from pipec.outdir import emitted_modules
 
 SAMPLES = Path(__file__).resolve().parent.parent / "samples"
 

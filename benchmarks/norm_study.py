@@ -33,13 +33,18 @@ from tabulate import tabulate
 from torch import nn
 from torch.nn import functional as F
 
-from pipec.normalize import MAX_GROUPS, largest_divisor
+from pipec.normalize import MAX_GROUPS
 
 NORMS = ("batchnorm-micro", "syncbn", "groupnorm", "none")
 MICRO_BATCHES = (2, 4, 8, 16, 32, 64)
 GLOBAL_BATCH = 64
 TEST_SIZE = 397  # the rest, 1,400 images, is the training set
 DOCS = Path(__file__).resolve().parent.parent / "docs"
+
+
+def largest_divisor(value: int, limit: int) -> int:
+    """The largest divisor of ``value`` that is at most ``limit``: this study's group count."""
+    return max(d for d in range(1, min(value, limit) + 1) if value % d == 0)
 
 
 def norm_layer(norm: str, channels: int) -> nn.Module:

@@ -18,7 +18,7 @@ import itertools
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -32,7 +32,8 @@ from pipec.annotate import COMPUTE_OPS, CostGraph, annotate
 from pipec.costmodel import Calibration, Fit, NodeTiming
 from pipec.errors import ConfigError, TraceError
 from pipec.loader import load_model_file
-from pipec.normalize import plan_norms
+from pipec.normalize import group_norm_rewrites, to_group_norm
+from pipec.tensors import flat_tensors
 from pipec.trace import Traced, batch_inputs, trace_model
 
 log = logging.getLogger(__name__)
@@ -73,8 +74,7 @@ def profile_model(model: Path, batch_size: int, device: str = "cpu", repeats: in
     inputs = {size: tuple(t.to(target) for t in batch_inputs(spec, size)[0]) for size in sizes}
     seconds, overhead = _time_in_context(real, inputs, repeats, target)
     samples = [sample for size in sizes for sample in _samples(graph, size, seconds[size])]
-    forward = _fit([(s.fwd_flops, s.moved_bytes) for s in samples], [s.fwd_s for s in samples])
-    backward = _fit([(s.bwd_flops, s.moved_bytes) for s in samples], [s.bwd_s for s in samples])
+    forward, backward = fit_samples(samples)
     return (Calibration(target.type, forward, backward, _timings(graph, samples), overhead),
             tuple(samples))
 
@@ -89,12 +89,13 @@ def _fx_trace(spec: Any) -> Traced:
 
 
 def _to_group_norms(real: fx.GraphModule, traced: Traced, graph: CostGraph) -> None:
-    """Swap each BatchNorm for the GroupNorm `--norm auto` gives a pipelined plan."""
-    for rewrite in plan_norms(traced, graph, 2, 1, 1, "group").rewrites:
+    """Swap each BatchNorm for the GroupNorm `--norm auto` gives a pipelined plan, built as the
+    emitted stages build it."""
+    for rewrite in group_norm_rewrites(traced, graph):
+        assert rewrite.groups is not None  # a GroupNorm rewrite always has its group count
         parent, _, name = rewrite.module.rpartition(".")
-        batch_norm = real.get_submodule(rewrite.module)
-        setattr(real.get_submodule(parent), name, nn.GroupNorm(
-            rewrite.groups or 1, rewrite.channels, eps=batch_norm.eps, affine=batch_norm.affine))
+        setattr(real.get_submodule(parent), name,
+                to_group_norm(real.get_submodule(rewrite.module), rewrite.groups))
 
 
 def _device(name: str) -> torch.device:
@@ -123,7 +124,7 @@ class _Clock:
         """Record the end of node ``index``'s forward; the time this takes (registering the
         hooks) is left out of the next node's, which starts counting when it returns."""
         ended = self.now()
-        for tensor in _flat(value):
+        for tensor in flat_tensors(value):
             if tensor.requires_grad:
                 tensor.register_hook(lambda _, i=index: self.backward.append((i, self.now())))
         self.forward.append((ended, self.now()))
@@ -224,7 +225,7 @@ def _one_pass(gm: nn.Module, inputs: tuple[torch.Tensor, ...], device: torch.dev
     clock = _Clock(device)
     with _running(clock):
         started = clock.now()
-        outputs = [t for t in _flat(gm(*inputs)) if t.requires_grad]
+        outputs = [t for t in flat_tensors(gm(*inputs)) if t.requires_grad]
         backward_started = clock.now()
         if outputs:
             torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
@@ -277,15 +278,11 @@ def _timings(graph: CostGraph, samples: list[Sample]) -> tuple[NodeTiming, ...]:
                             tuple(s.bwd_s for s in by_node[n.name])) for n in graph.nodes)
 
 
-def _flat(value: Any) -> list[torch.Tensor]:
-    """The tensors in a node's or model's output (nested tuples, lists and dicts)."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, dict):
-        value = list(value.values())
-    if isinstance(value, tuple | list):
-        return [t for v in value for t in _flat(v)]
-    return []
+def fit_samples(samples: Sequence[Sample]) -> tuple[Fit, Fit]:
+    """The forward and the backward time model that best explain ``samples``:
+    ``t = overhead + flops · s_flop + bytes · s_byte``, each coefficient non-negative."""
+    return (_fit([(s.fwd_flops, s.moved_bytes) for s in samples], [s.fwd_s for s in samples]),
+            _fit([(s.bwd_flops, s.moved_bytes) for s in samples], [s.bwd_s for s in samples]))
 
 
 def _fit(features: list[tuple[float, float]], seconds: list[float]) -> Fit:

@@ -11,8 +11,9 @@ from typing import Any
 
 from tabulate import tabulate
 
-from pipec.emit import plan_id
 from pipec.errors import MetricsError
+from pipec.planfile import plan_id
+from pipec.units import mib
 
 # A prediction within this factor of the measurement is taken as holding.
 TOLERANCE = 1.25
@@ -22,7 +23,6 @@ SPREAD = 1.3
 EXTRA_IDLE = 0.10
 # A device's measured peak memory within this fraction of the prediction holds.
 MEMORY_TOLERANCE = 0.15
-MIB = 2**20
 
 
 @dataclass(frozen=True)
@@ -136,16 +136,16 @@ def _memory_finding(device: int, predicted: float, measured: float,
     """Name the predicted term whose size is nearest the gap: the likeliest to be missing (when
     measured is above) or counted twice (below)."""
     gap = measured - predicted
-    line = (f"memory: device {device} peaked at {measured / MIB:,.1f} MiB against "
-            f"{predicted / MIB:,.1f} MiB predicted ({gap / predicted:+.0%})")
+    line = (f"memory: device {device} peaked at {mib(measured)} MiB against "
+            f"{mib(predicted)} MiB predicted ({gap / predicted:+.0%})")
     sized = {t: v for t, v in terms.items() if v > 0}
     if not sized:
         return line
     term = min(sized, key=lambda t: abs(sized[t] - abs(gap)))
     direction = "missing or undercounted" if gap > 0 else "overcounted"
-    return (f"{line}; the gap, {abs(gap) / MIB:,.1f} MiB, is nearest the '{term}' term "
-            f"({sized[term] / MIB:,.1f} MiB): likely {direction}; terms: "
-            + ", ".join(f"{t} {v / MIB:,.1f}" for t, v in sorted(sized.items(),
+    return (f"{line}; the gap, {mib(abs(gap))} MiB, is nearest the '{term}' term "
+            f"({mib(sized[term])} MiB): likely {direction}; terms: "
+            + ", ".join(f"{t} {mib(v)}" for t, v in sorted(sized.items(),
                                                                 key=lambda tv: -tv[1])))
 
 
@@ -167,8 +167,8 @@ def render(c: Comparison) -> str:
         ("step time ms", _ms(c.predicted_step_s), _ms(c.measured_step_s),
          f"{c.measured_step_s / c.predicted_step_s:.2f}"),
         ("idle (bubble) %", f"{c.predicted_bubble:.1%}", f"{c.measured_idle:.1%}", ""),
-        *[(f"peak memory MiB, device {d}", f"{p / MIB:,.1f}",
-           "n/a" if m is None else f"{m / MIB:,.1f}",
+        *[(f"peak memory MiB, device {d}", mib(p),
+           "n/a" if m is None else mib(m),
            "" if m is None else f"{m / max(p, 1.0):.2f}")
           for d, (p, m) in enumerate(zip(c.predicted_memory, c.measured_memory, strict=True))],
     ], ("", "predicted", "measured", "measured ÷ predicted"), tablefmt="github")

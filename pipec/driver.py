@@ -85,10 +85,9 @@ def compile_model(options: CompileOptions) -> tuple[Plan, Emitted]:
     analyzed = analyze(options)
     spec, traced, graph = analyzed.spec, analyzed.traced, analyzed.graph
     chosen = plan(graph, analyzed.request)
-    norms = plan_norms(traced, graph, chosen.pp, chosen.dp, chosen.micro_batch, options.norm,
-                       options.norm_groups)
-    staged = split(traced, graph, chosen, spec.module.__name__)
-    emitted = emit(spec, traced, chosen, norms, staged, options.out, options.force,
+    norms = plan_norms(traced, graph, plan=chosen, choice=options.norm, groups=options.norm_groups)
+    staged = split(traced, graph, chosen, user_module=spec.module.__name__)
+    emitted = emit(spec, traced, chosen, norms, staged, out=options.out, force=options.force,
                    finish=export_stages if options.onnx else None)
     log.info("wrote %s: %d stage(s), micro-batch %d, %s", emitted.out, chosen.pp,
              chosen.micro_batch, chosen.schedule)

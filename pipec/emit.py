@@ -7,28 +7,21 @@ timestamps, no absolute paths, sorted JSON keys.
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import importlib.util
 import json
-import os
-import shutil
-import sys
-import tempfile
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import jinja2
 
 from pipec import __version__
-from pipec.costmodel import StageMemory, usable_memory
-from pipec.errors import OutputError
+from pipec.costmodel import usable_memory
 from pipec.loader import ModelSpec
-from pipec.normalize import NormPlan
+from pipec.normalize import NormPlan, to_group_norm_source
+from pipec.outdir import check_target, write_atomically
+from pipec.planfile import plan_dict, plan_id
 from pipec.planner import Plan, PlanRequest
 from pipec.report import (
     baseline_table,
@@ -41,8 +34,8 @@ from pipec.report import (
 from pipec.schedule import SCHEDULES
 from pipec.split import Boundary, Staged
 from pipec.trace import Traced
+from pipec.units import duration, gib, module_list
 
-MARKER = "plan.json"  # a directory holding this (and train.py) is a previous pipec output
 SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
                     "interleaved": "ScheduleInterleaved1F1B"}
 SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "interleaved 1F1B"}
@@ -61,18 +54,8 @@ def emit(spec: ModelSpec, traced: Traced, plan: Plan, norms: NormPlan, staged: S
          finish: Callable[[Path], tuple[str, ...]] | None = None) -> Emitted:
     """Write every file into a staging directory, run ``finish`` on it (more files, e.g. ONNX),
     and only then swap it into place of ``out``: a failure leaves ``out`` as it was."""
-    _check_target(out, force)
-    contents = render(spec, traced, plan, norms, staged)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        for name, data in contents.items():
-            _write(staging / name, data)
-        extra = finish(staging) if finish else ()
-        _replace(staging, out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return Emitted(out, tuple(sorted((*contents, *extra))))
+    check_target(out, force)
+    return Emitted(out, write_atomically(out, render(spec, traced, plan, norms, staged), finish))
 
 
 def render(spec: ModelSpec, traced: Traced, plan: Plan, norms: NormPlan,
@@ -88,80 +71,6 @@ def render(spec: ModelSpec, traced: Traced, plan: Plan, norms: NormPlan,
                       + "\n").encode(),
         "timeline.svg": timeline_svg(plan.simulation, plan.pp, _timeline_title(plan)).encode(),
     }
-
-
-def plan_dict(plan: Plan, norms: NormPlan, traced: Traced) -> dict[str, Any]:
-    """plan.json: the stable keys of DESIGN.md (add freely, rename never)."""
-    request = plan.request
-    return {
-        "gpus": request.gpus, "nodes": request.nodes, "pp": plan.pp, "dp": plan.dp,
-        "global_batch": request.global_batch, "micro_batch": plan.micro_batch,
-        "num_micro_batches": plan.num_micro_batches, "schedule": plan.schedule,
-        "hardware": request.hardware, "optimizer": request.training.optimizer,
-        "precision": request.training.precision, "frontend": traced.frontend,
-        "calibration": request.calibration.device if request.calibration else None,
-        "calibration_node_times": bool(request.calibration and request.calibration.nodes),
-        "inputs": list(traced.input_names),
-        "stages": [{
-            "index": s.index, "modules": list(s.modules), "params": s.params,
-            "fwd_flops": s.fwd_flops, "bwd_flops": s.bwd_flops,
-            "activation_bytes": s.activation_bytes, "memory_bytes": s.memory_bytes,
-            "time_s": s.time_s, "compute_s": s.compute_s, "boundary_bytes": s.boundary_bytes,
-            "nodes": [s.start, s.end], "device": s.device, "fwd_s": s.fwd_s, "bwd_s": s.bwd_s,
-            "memory": _memory_terms(s.memory),
-        } for s in plan.stages],
-        "predicted": {
-            "iteration_s": plan.iteration_s, "samples_per_s": plan.samples_per_s,
-            "bubble": plan.simulation.bubble,
-            "peak_memory_bytes": list(plan.device_memory_bytes),
-            "memory_terms": [{**_sum_terms(s.memory for s in plan.stages if s.device == d),
-                              "runtime": plan.device_memory_bytes[d] - sum(
-                                  s.memory_bytes for s in plan.stages if s.device == d)}
-                             for d in range(plan.pp)],
-        },
-        "virtual_stages": plan.virtual_stages,
-        "devices": [d.name for d in request.devices],
-        "search": {"evaluated": len(plan.candidates), "pruned": plan.pruned},
-        "candidates": [{
-            "micro_batch": c.micro_batch, "num_micro_batches": c.num_micro_batches,
-            "schedule": c.schedule, "samples_per_s": c.samples_per_s, "pp": c.pp, "dp": c.dp,
-            "virtual_stages": c.virtual_stages,
-            "peak_memory_bytes": c.peak_memory_bytes, "feasible": c.feasible,
-        } for c in plan.candidates],
-        "baselines": [{
-            "name": b.name, "micro_batch": b.micro_batch, "schedule": b.schedule,
-            "samples_per_s": b.samples_per_s, "feasible": b.feasible,
-        } for b in plan.baselines],
-        "max_batch": {
-            "pipec": plan.max_batch[0].batch,
-            "baselines": {m.method: m.batch for m in plan.max_batch[1:]},
-            "limit": plan.max_batch_limit,
-            "capped": [m.method for m in plan.max_batch if m.capped],
-        },
-        "strategy": request.strategy,
-        "norm": norms.choice,
-        "norm_rewrites": [{"module": r.module, "from": r.from_, "to": r.to, "groups": r.groups}
-                          for r in norms.rewrites],
-    }
-
-
-def _memory_terms(memory: StageMemory | None) -> dict[str, float]:
-    return {} if memory is None else asdict(memory)
-
-
-def _sum_terms(memories: Iterable[StageMemory | None]) -> dict[str, float]:
-    """A device's memory by term: the sum over its stages."""
-    total: dict[str, float] = {}
-    for memory in memories:
-        for term, value in _memory_terms(memory).items():
-            total[term] = total.get(term, 0.0) + value
-    return total
-
-
-def plan_id(plan_json: dict[str, Any]) -> str:
-    """A short hash of plan.json's content: the emitted script's PLAN_ID, which checkpoints and
-    metrics carry so that they are never matched to another plan."""
-    return hashlib.sha256(json.dumps(plan_json, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def run_commands(plan: Plan) -> tuple[str, ...]:
@@ -185,7 +94,7 @@ def _context(spec: ModelSpec, traced: Traced, plan: Plan, norms: NormPlan) -> di
         "schedule_class": SCHEDULE_CLASSES[plan.schedule],
         "optimizer": request.training.optimizer, "precision": request.training.precision,
         "default_lr": DEFAULT_LR[request.training.optimizer], "frontend": traced.frontend,
-        "predicted_iteration": _duration(plan.iteration_s),
+        "predicted_iteration": duration(plan.iteration_s),
         "predicted_throughput": f"{plan.samples_per_s:,.1f}",
         "predicted_bubble": f"{plan.simulation.bubble:.1%}",
         "time_source": _time_source(request),
@@ -206,13 +115,14 @@ def _time_source(request: PlanRequest) -> str:
 def _stage_context(plan: Plan, norms: NormPlan, staged: Staged) -> dict[str, Any]:
     stages = [{
         "index": code.index, "class_name": code.class_name, "module_paths": code.module_paths,
-        "summary": _summary(stage.modules, stage.end - stage.start),
+        "summary": f"{module_list(stage.modules, 8)} ({stage.end - stage.start} graph nodes)",
         "forward": _indent(code.forward_source),
         "input_specs": _specs_literal(code.input_specs),
         "output_specs": _specs_literal(code.output_specs),
     } for code, stage in zip(staged.stages, plan.stages, strict=True)]
     return {"stages": stages, "imports": staged.imports, "norm_rewrites": norms.rewrites,
-            "tied": staged.tied}
+            "tied": staged.tied, "group_norm": norms.grouped,
+            "sync_batch_norm": norms.synchronized, "to_group_norm": to_group_norm_source()}
 
 
 def _report_context(plan: Plan, norms: NormPlan) -> dict[str, Any]:
@@ -223,15 +133,9 @@ def _report_context(plan: Plan, norms: NormPlan) -> dict[str, Any]:
         "num_candidates": len(plan.candidates), "num_pruned": plan.pruned,
         "num_fitting": sum(c.feasible for c in plan.candidates),
         "max_batch_limit": f"{plan.max_batch_limit:,}",
-        "predicted_peak": _gib(max(plan.device_memory_bytes)),
-        "device_memory": _gib(min(usable_memory(d) for d in plan.request.devices)),
+        "predicted_peak": gib(max(plan.device_memory_bytes)),
+        "device_memory": gib(min(usable_memory(d) for d in plan.request.devices)),
     }
-
-
-def _summary(modules: tuple[str, ...], num_nodes: int) -> str:
-    names = ", ".join(modules) if len(modules) <= 8 else (
-        ", ".join(modules[:4]) + f", ... {modules[-1]}")
-    return f"{names or 'functions'} ({num_nodes} graph nodes)"
 
 
 def _specs_literal(specs: tuple[Boundary, ...]) -> str:
@@ -242,14 +146,6 @@ def _specs_literal(specs: tuple[Boundary, ...]) -> str:
 
 def _indent(source: str) -> str:
     return "\n".join(("    " + line) if line else "" for line in source.splitlines())
-
-
-def _duration(seconds: float) -> str:
-    return f"{seconds * 1e3:.3f} ms" if seconds < 1 else f"{seconds:.3f} s"
-
-
-def _gib(value: float) -> str:
-    return f"{value / 2**30:.2f} GiB"
 
 
 def _timeline_title(plan: Plan) -> str:
@@ -269,53 +165,3 @@ def _render(name: str, context: dict[str, Any]) -> bytes:
     return _environment.get_template(name).render(**context).encode()
 
 
-def _check_target(out: Path, force: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise OutputError(f"output {out} exists and is not a directory; choose another -o")
-    if out.is_dir() and any(out.iterdir()) and not (out / MARKER).is_file() and not force:
-        raise OutputError(f"output directory {out} exists and is not a pipec output; "
-                          "choose another -o or pass --force to replace it")
-
-
-def _write(path: Path, data: bytes) -> None:
-    with open(path, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-
-
-def _replace(staging: Path, out: Path) -> None:
-    """Swap the finished staging directory into place of ``out``."""
-    os.chmod(staging, 0o755)
-    if not out.exists():
-        staging.rename(out)
-        return
-    retired = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
-    retired.rmdir()
-    out.rename(retired)
-    staging.rename(out)
-    shutil.rmtree(retired, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def emitted_modules(directory: Path) -> Iterator[tuple[ModuleType, ModuleType]]:
-    """Import the emitted model.py and stages.py as train.py does, then forget them."""
-    saved: dict[str, ModuleType] = {name: sys.modules.pop(name) for name in ("model", "stages")
-                                    if name in sys.modules}
-    sys.path.insert(0, str(directory))
-    try:
-        yield _import(directory, "model"), _import(directory, "stages")
-    finally:
-        sys.path.remove(str(directory))
-        for name in ("model", "stages"):
-            sys.modules.pop(name, None)
-        sys.modules.update(saved)
-
-
-def _import(directory: Path, name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, directory / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module

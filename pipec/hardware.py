@@ -7,10 +7,10 @@ from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
 from pipec.errors import ConfigError
+from pipec.units import GIB as GIB  # re-exported: presets and messages size devices in GiB
+from pipec.units import MIB
 
 GB = 1e9
-GIB = 2**30
-MIB = 2**20
 TFLOPS = 1e12
 
 

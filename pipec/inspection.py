@@ -14,8 +14,7 @@ from pipec.errors import ConfigError
 from pipec.hardware import load_hardware
 from pipec.loader import load_model_file
 from pipec.trace import trace_model
-
-MIB = 2**20
+from pipec.units import mib
 
 
 @dataclass(frozen=True)
@@ -91,7 +90,7 @@ def _total(rows: list[Row]) -> Row:
 def render_table(rows: list[Row], total: Row) -> str:
     def cells(r: Row) -> tuple[Any, ...]:
         return (r.name, "×".join(map(str, r.shape)), f"{r.params:,}", f"{r.fwd_flops / 1e9:.4f}",
-                f"{r.bwd_flops / 1e9:.4f}", f"{r.activation_bytes / MIB:.3f}",
+                f"{r.bwd_flops / 1e9:.4f}", mib(r.activation_bytes, 3),
                 f"{r.time_s * 1e3:.3f}")
 
     headers = ("node / module", "output shape", "params", "fwd GFLOP", "bwd GFLOP",

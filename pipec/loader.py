@@ -1,4 +1,4 @@
-"""Load pass: import the user's model file and check the model-file contract (DESIGN.md)."""
+"""Load pass: import the user's model file and check the model-file contract (docs/models.md)."""
 
 from __future__ import annotations
 

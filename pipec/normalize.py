@@ -1,4 +1,4 @@
-"""Rewrite pass: choose a normalization for each BatchNorm to suit the plan's parallelism.
+"""Normalization planning: choose, for each BatchNorm, the layer that suits the plan's parallelism.
 
 Under pipelining each micro-batch runs through a BatchNorm on its own, so its statistics (and the
 model's accuracy) depend on the micro-batch size; GroupNorm normalizes each sample over groups of
@@ -6,20 +6,27 @@ channels and does not (Wu & He, 2018). Under data parallelism, SyncBatchNorm com
 statistics over the whole data-parallel batch, as one device would (the study behind pipec).
 
 ``--norm auto``: pp > 1 → GroupNorm; pp = 1 and dp > 1 → SyncBatchNorm; one device → unchanged.
-The rewrite itself is applied by the emitted ``stages.py`` (``rewrite_norms``), which carries the
+
+This pass only decides: ``plan_norms`` returns a ``NormPlan`` and changes no model. The emitted
+``stages.py`` applies the plan (``rewrite_norms``) when each rank builds its model, carrying the
 affine weight and bias over (GroupNorm has no running statistics; SyncBatchNorm keeps them).
+``to_group_norm`` below is the one BatchNorm → GroupNorm conversion: ``stages.py`` carries its
+source, and ``pipec profile`` calls it, so both build the same layer.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from pipec.annotate import CostGraph
 from pipec.errors import ConfigError
+from pipec.planner import Plan
 from pipec.trace import Traced
 
 log = logging.getLogger(__name__)
@@ -43,31 +50,81 @@ class NormRewrite:
 
 @dataclass(frozen=True)
 class NormPlan:
+    """What the emitted stages will do to each BatchNorm; nothing is rewritten here."""
+
     choice: str  # what was applied: "keep", "group" or "sync"
     rewrites: tuple[NormRewrite, ...]
 
+    @property
+    def grouped(self) -> bool:
+        """Some BatchNorm becomes a GroupNorm."""
+        return any(r.to == "GroupNorm" for r in self.rewrites)
 
-def plan_norms(traced: Traced, graph: CostGraph, pp: int, dp: int, micro_batch: int,
-               choice: str, groups: int | None = None) -> NormPlan:
-    """The rewrites for ``--norm choice`` on a plan of ``pp`` stages × ``dp`` replicas."""
+    @property
+    def synchronized(self) -> bool:
+        """Some BatchNorm becomes a SyncBatchNorm: the emitted stages then need the CPU's
+        all-reduce BatchNorm."""
+        return any(r.to == "SyncBatchNorm" for r in self.rewrites)
+
+
+def plan_norms(traced: Traced, graph: CostGraph, *, plan: Plan, choice: str = "auto",
+               groups: int | None = None) -> NormPlan:
+    """Plan the rewrites for ``--norm choice`` under ``plan``'s parallelism (pp stages × dp
+    replicas); ``groups`` (``--norm-groups``) fixes every GroupNorm's group count."""
     if choice not in NORM_CHOICES:
         raise ConfigError(f"--norm {choice!r} is not supported; use one of "
                           f"{', '.join(NORM_CHOICES)}")
-    batch_norms = [(name, m) for name, m in traced.graph_module.named_modules()
-                   if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-    applied = _resolve(choice, pp, dp)
-    if applied in ("keep", "sync") and pp > 1 and batch_norms:
+    batch_norms = _batch_norms(traced)
+    applied = _resolve(choice, plan.pp, plan.dp)
+    if applied in ("keep", "sync") and plan.pp > 1 and batch_norms:
         log.warning("--norm %s with %d stages: each BatchNorm normalizes over one micro-batch "
-                    "of %d samples at a time%s", choice, pp, micro_batch,
-                    f" (× {dp} replicas)" if applied == "sync" else "")
+                    "of %d samples at a time%s", choice, plan.pp, plan.micro_batch,
+                    f" (× {plan.dp} replicas)" if applied == "sync" else "")
     if applied == "keep":
         return NormPlan("keep", ())
     if applied == "sync":
         return NormPlan("sync", tuple(NormRewrite(name, type(m).__name__, "SyncBatchNorm", None,
                                                   int(m.num_features)) for name, m in batch_norms))
+    return NormPlan("group", group_norm_rewrites(traced, graph, groups))
+
+
+def group_norm_rewrites(traced: Traced, graph: CostGraph,
+                        groups: int | None = None) -> tuple[NormRewrite, ...]:
+    """Every BatchNorm's GroupNorm, whatever the parallelism: the rewrites of ``--norm group``
+    (and of ``auto`` on a pipeline), with the group counts chosen from the annotated shapes."""
     spatial = _spatial_sizes(graph)
-    return NormPlan("group", tuple(_to_group_norm(name, m, groups, spatial.get(name, 1))
-                                   for name, m in batch_norms))
+    return tuple(_group_norm_rewrite(name, m, groups, spatial.get(name, 1))
+                 for name, m in _batch_norms(traced))
+
+
+def to_group_norm(batch_norm: nn.Module, groups: int) -> nn.GroupNorm:
+    """A GroupNorm of ``groups`` groups in place of ``batch_norm``, with its affine weight and
+    bias (GroupNorm keeps no running statistics)."""
+    group_norm = nn.GroupNorm(groups, batch_norm.num_features, eps=batch_norm.eps,
+                              affine=batch_norm.affine)
+    if batch_norm.affine:
+        with torch.no_grad():
+            group_norm.weight.copy_(batch_norm.weight)
+            group_norm.bias.copy_(batch_norm.bias)
+    return group_norm
+
+
+def to_group_norm_source() -> str:
+    """The source of ``to_group_norm``, as the emitted ``stages.py`` carries it."""
+    return inspect.getsource(to_group_norm)
+
+
+def group_count(channels: int, spatial: int) -> int:
+    """The largest divisor of the channels, at most MAX_GROUPS, that leaves each group at least
+    MIN_GROUP_VALUES values; 1 when none does."""
+    fitting = [g for g in range(1, min(channels, MAX_GROUPS) + 1)
+               if channels % g == 0 and channels // g * spatial >= MIN_GROUP_VALUES]
+    return max(fitting, default=1)
+
+
+def _batch_norms(traced: Traced) -> list[tuple[str, nn.Module]]:
+    return [(name, m) for name, m in traced.graph_module.named_modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm)]
 
 
 def _spatial_sizes(graph: CostGraph) -> dict[str, int]:
@@ -85,8 +142,8 @@ def _resolve(choice: str, pp: int, dp: int) -> str:
     return "sync" if dp > 1 else "keep"
 
 
-def _to_group_norm(name: str, batch_norm: nn.Module, groups: int | None,
-                   spatial: int) -> NormRewrite:
+def _group_norm_rewrite(name: str, batch_norm: nn.Module, groups: int | None,
+                        spatial: int) -> NormRewrite:
     channels = int(batch_norm.num_features)
     if groups is None:
         groups = group_count(channels, spatial)
@@ -94,16 +151,3 @@ def _to_group_norm(name: str, batch_norm: nn.Module, groups: int | None,
         raise ConfigError(f"--norm-groups {groups} does not divide the {channels} channels of "
                           f"{name}; choose a divisor of {channels}")
     return NormRewrite(name, type(batch_norm).__name__, "GroupNorm", groups, channels)
-
-
-def group_count(channels: int, spatial: int) -> int:
-    """The largest divisor of the channels, at most MAX_GROUPS, that leaves each group at least
-    MIN_GROUP_VALUES values; 1 when none does."""
-    fitting = [g for g in range(1, min(channels, MAX_GROUPS) + 1)
-               if channels % g == 0 and channels // g * spatial >= MIN_GROUP_VALUES]
-    return max(fitting, default=1)
-
-
-def largest_divisor(value: int, limit: int) -> int:
-    """The largest divisor of ``value`` that is at most ``limit``."""
-    return max(d for d in range(1, min(value, limit) + 1) if value % d == 0)

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from pipec.emit import emitted_modules
 from pipec.errors import ConfigError, ExportError
+from pipec.outdir import emitted_modules
 
 EXTRA_HINT = "install the onnx extra: pip install 'pipec[onnx]'"
 

@@ -9,15 +9,15 @@ from tabulate import tabulate
 from pipec.normalize import NormPlan
 from pipec.planner import Plan
 from pipec.schedule import Simulation
+from pipec.units import mib, module_list
 
-MIB = 2**20
 TOP_CANDIDATES = 10
 
 
 def stage_table(plan: Plan) -> str:
-    rows = [(s.index, s.device, _modules(s.modules), f"{s.params:,}", f"{s.fwd_flops / 1e9:.3f}",
-             f"{s.activation_bytes / MIB:.2f}", f"{s.memory_bytes / MIB:.1f}",
-             f"{s.time_s * 1e3:.3f}", f"{s.boundary_bytes / MIB:.3f}") for s in plan.stages]
+    rows = [(s.index, s.device, module_list(s.modules), f"{s.params:,}", f"{s.fwd_flops / 1e9:.3f}",
+             mib(s.activation_bytes, 2), mib(s.memory_bytes, 1),
+             f"{s.time_s * 1e3:.3f}", mib(s.boundary_bytes, 3)) for s in plan.stages]
     headers = ("stage", "device", "modules", "params", "fwd GFLOP / micro-batch", "activations MiB",
                "peak memory MiB", "time ms / micro-batch", "boundary MiB")
     return tabulate(rows, headers, tablefmt="github")
@@ -31,7 +31,7 @@ def search_table(plan: Plan) -> str:
     ranked = fits[:TOP_CANDIDATES] + too_big[:3]
     rows = [(c.micro_batch, c.num_micro_batches, _schedule_label(c.schedule, c.virtual_stages),
              f"{c.pp}×{c.dp}",
-             f"{c.samples_per_s:,.1f}", f"{c.peak_memory_bytes / MIB:,.1f}",
+             f"{c.samples_per_s:,.1f}", mib(c.peak_memory_bytes, 1),
              "yes" if c.feasible else "no") for c in ranked]
     headers = ("micro-batch", "micro-batches", "schedule", "pp×dp", "samples/s",
                "peak memory MiB", "fits")
@@ -68,12 +68,6 @@ def norm_table(norms: NormPlan) -> str:
     rows = [(r.module, r.from_, f"GroupNorm({r.groups}, {r.channels})" if r.groups else
              f"{r.to}({r.channels}) over the data-parallel group") for r in norms.rewrites]
     return tabulate(rows, ("module", "from", "to"), tablefmt="github")
-
-
-def _modules(names: tuple[str, ...], limit: int = 6) -> str:
-    if len(names) <= limit:
-        return ", ".join(names) or "(functions only)"
-    return ", ".join(names[:3]) + f", … ({len(names) - 4} more), " + names[-1]
 
 
 # Timeline geometry, in SVG user units.

@@ -23,7 +23,7 @@ import torch
 from torch import fx
 from torch.fx.graph import PythonCode
 
-from pipec.annotate import COMPUTE_OPS, CostGraph, live_values
+from pipec.annotate import COMPUTE_OPS, CostGraph
 from pipec.errors import TraceError
 from pipec.inplace import overwritten_inputs, storage_roots, written
 from pipec.planner import Plan
@@ -63,7 +63,7 @@ class Staged:
 def split(traced: Traced, graph: CostGraph, plan: Plan, user_module: str) -> Staged:
     gm = traced.graph_module
     compute = [n for n in gm.graph.nodes if n.op in COMPUTE_OPS]
-    live = live_values(gm)
+    live = graph.live  # annotate's liveness: the values each boundary sends
     placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     codes: list[StageCode] = []
     imports: dict[str, None] = {}
@@ -75,7 +75,7 @@ def split(traced: Traced, graph: CostGraph, plan: Plan, user_module: str) -> Sta
         outputs = () if last else tuple(live[stage.end])
         nodes = compute[stage.start:stage.end]
         # The first stage takes every model input, used or not: the data arrives whole.
-        inputs = placeholders if stage.index == 0 else live[stage.start]
+        inputs = placeholders if stage.index == 0 else list(live[stage.start])
         input_specs = specs.of(inputs, stage.start, sent=stage.index > 0)
         # A received input that requires grad and that the stage overwrites is cloned first:
         # PipelineStage hands it over as a leaf, which autograd refuses to overwrite
@@ -204,7 +204,10 @@ def _stage_source(code: PythonCode, user_module: str) -> tuple[str, list[str]]:
     source = source.replace("device(type='meta')", "self.run_device")
     imports = []
     for name, value in sorted(code.globals.items()):
-        if name == "torch" or not re.search(rf"\b{re.escape(name)}\b", source):
+        # A global is used when its name is read: not as a keyword (`device = x`) or an
+        # attribute (`x.device`).
+        if name == "torch" or not re.search(rf"(?<![\w.]){re.escape(name)}\b(?!\s*=(?!=))",
+                                            source):
             continue
         if _defined_in(value, user_module):
             # The model file's functions, as `user_model.f`: a plain `f` could clash with fx's

@@ -21,7 +21,7 @@ import torch.distributed.pipelining
 import torch.multiprocessing as mp
 
 from pipec.driver import CompileOptions, compile_model
-from pipec.emit import emitted_modules  # noqa: F401  (re-exported for the tests)
+from pipec.outdir import emitted_modules  # noqa: F401  (re-exported for the tests)
 from pipec.planner import Plan
 
 torch.set_num_threads(1)

@@ -10,16 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from torch import fx, nn
+from torch import nn
 
 from conftest import MODELS, SAMPLES, compile_to
 from pipec.annotate import annotate
 from pipec.calibrate import (
-    _backward_seconds,
-    _even_correction,
-    _fit,
-    _flat,
-    _to_group_norms,
+    Sample,
+    fit_samples,
     load_calibration,
     profile_model,
     save_calibration,
@@ -27,26 +24,34 @@ from pipec.calibrate import (
 from pipec.costmodel import Calibration, Fit, NodeTiming
 from pipec.errors import ConfigError
 from pipec.loader import load_model_file
-from pipec.normalize import plan_norms
+from pipec.tensors import flat_tensors
 from pipec.trace import trace_model
+
+
+def _samples(features: list[tuple[float, float]], seconds: list[float]) -> list[Sample]:
+    """Samples whose forward and backward take ``seconds`` at (flops, bytes) ``features``."""
+    return [Sample(f"n{i}", 1, flops, 2 * flops, moved, s, s)
+            for i, ((flops, moved), s) in enumerate(zip(features, seconds, strict=True))]
 
 
 def test_fit_recovers_known_constants() -> None:
     rng = np.random.default_rng(0)
     features = [(float(f), float(b)) for f, b in rng.uniform(1e3, 1e9, size=(50, 2))]
     seconds = [2e-5 + f * 3e-11 + b * 4e-10 for f, b in features]
-    fit = _fit(features, seconds)
-    assert fit.overhead_s == pytest.approx(2e-5, rel=1e-6)
-    assert fit.seconds_per_flop == pytest.approx(3e-11, rel=1e-6)
-    assert fit.seconds_per_byte == pytest.approx(4e-10, rel=1e-6)
+    forward, backward = fit_samples(_samples(features, seconds))
+    assert forward.overhead_s == pytest.approx(2e-5, rel=1e-6)
+    assert forward.seconds_per_flop == pytest.approx(3e-11, rel=1e-6)
+    assert forward.seconds_per_byte == pytest.approx(4e-10, rel=1e-6)
+    # The backward of these samples does twice the FLOPs in the same time.
+    assert backward.seconds_per_flop == pytest.approx(1.5e-11, rel=1e-6)
 
 
 def test_fit_never_goes_negative() -> None:
     # Time falls with bytes here: an unconstrained fit would give a negative coefficient.
     features = [(1e6 * i, 1e6 * (10 - i)) for i in range(10)]
     seconds = [1e-3 + 1e-9 * i for i in range(10)]
-    fit = _fit(features, seconds)
-    assert min(fit.overhead_s, fit.seconds_per_flop, fit.seconds_per_byte) >= 0
+    for fit in fit_samples(_samples(features, seconds)):
+        assert min(fit.overhead_s, fit.seconds_per_flop, fit.seconds_per_byte) >= 0
 
 
 def test_profile_measures_every_node_and_round_trips(tmp_path: Path) -> None:
@@ -78,20 +83,73 @@ def test_profile_gives_each_node_its_own_time() -> None:
             assert times[other].fwd_s[size] + times[other].bwd_s[size] < 0.01
 
 
-def test_backward_intervals_go_to_the_node_whose_gradient_opened_them() -> None:
-    seconds = _backward_seconds([(2, 1.0), (1, 1.5), (2, 1.75), (0, 2.0)], 3.0, 4)
-    assert list(seconds) == [1.0, 0.25, 0.75, 0.0]
+SLOW_AFTER_CONSTANT = """
+import time
+
+import torch
+from torch import fx, nn
 
 
-def test_even_correction_keeps_untimed_nodes_and_never_goes_negative() -> None:
-    corrected = _even_correction(np.array([0.004, 0.0, 0.001, 0.007]), 0.009)
-    assert list(corrected) == pytest.approx([0.003, 0.0, 0.0, 0.006])
-    assert list(_even_correction(np.zeros(3), 1.0)) == [0.0, 0.0, 0.0]
+class _Sleep(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        time.sleep(0.02)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(0.04)
+        return grad * 2
+
+
+def slow(x):
+    return _Sleep.apply(x)
+
+
+fx.wrap("slow")
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(16, 16)
+        self.last = nn.Linear(16, 4)
+
+    def forward(self, x):
+        scaled = x * 2  # on the input alone: no gradient flows here
+        return self.last(torch.relu(slow(self.first(scaled))))
+
+
+def build_model():
+    return Model()
+
+
+def sample_batch(batch_size):
+    return torch.randn(batch_size, 16), torch.randint(0, 4, (batch_size,))
+"""
+
+
+def test_backward_time_goes_to_its_node_and_a_node_without_backward_keeps_none(
+        tmp_path: Path) -> None:
+    """Each interval between gradient-ready events goes to the node whose gradient opened it
+    (the slow node's 40 ms, not its neighbours'); the even correction of the totals leaves a
+    node without backward at exactly zero and takes no node below zero."""
+    (tmp_path / "slow_after_constant.py").write_text(SLOW_AFTER_CONSTANT)
+    calibration, samples = profile_model(tmp_path / "slow_after_constant.py", 2, repeats=2)
+    times = {t.node: t for t in calibration.nodes}
+    assert list(times) == ["mul", "first", "slow", "relu", "last"]
+    assert times["mul"].bwd_s == (0.0, 0.0)
+    for size in range(2):
+        assert 0.038 < times["slow"].bwd_s[size] < 0.055
+        for other in ("first", "relu", "last"):
+            assert times[other].bwd_s[size] < 0.01
+    assert all(s.fwd_s >= 0 and s.bwd_s >= 0 for s in samples)
 
 
 def test_outputs_in_dicts_are_found() -> None:
     a, b = torch.ones(1), torch.zeros(2)
-    assert _flat({"logits": a, "extra": (b, 3)}) == [a, b]
+    assert flat_tensors({"logits": a, "extra": (b, 3)}) == [a, b]
+    assert flat_tensors([a, [b, None]]) == [a, b] and flat_tensors(3) == []
 
 
 def test_node_times_interpolate_and_extrapolate() -> None:
@@ -137,17 +195,21 @@ def test_another_models_node_times_fall_back_to_the_fit(tmp_path: Path,
     assert not json.loads((tmp_path / "o" / "plan.json").read_text())["calibration_node_times"]
 
 
-def test_profile_times_batch_norms_as_the_group_norms_pipelines_run() -> None:
-    spec = load_model_file(SAMPLES / "resnet.py")
-    traced = trace_model(spec)
-    graph = annotate(traced, spec)
-    real = fx.symbolic_trace(spec.build_model())
-    _to_group_norms(real, traced, graph)
-    expected = plan_norms(traced, graph, 2, 1, 1, "group").rewrites
-    assert expected and all(isinstance(real.get_submodule(r.module), nn.GroupNorm)
-                            and real.get_submodule(r.module).num_groups == r.groups
-                            for r in expected)
-    assert not any(isinstance(m, nn.BatchNorm2d) for m in real.modules())
+def test_profile_times_batch_norms_as_the_group_norms_pipelines_run(tmp_path: Path) -> None:
+    compile_to(SAMPLES / "resnet.py", tmp_path / "o", gpus=2, batch_size=16)
+    planned = json.loads((tmp_path / "o" / "plan.json").read_text())["norm_rewrites"]
+    ran: list[nn.Module] = []
+    hook = nn.modules.module.register_module_forward_hook(
+        lambda module, args, output: ran.append(module))
+    try:
+        profile_model(SAMPLES / "resnet.py", 1, repeats=1)
+    finally:
+        hook.remove()
+    # The modules timed on real tensors, not those that the analysis runs on the meta device.
+    ran = [m for m in ran if not any(t.is_meta for t in m.parameters())]
+    assert not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in ran)
+    group_norms = list({id(m): m for m in ran if isinstance(m, nn.GroupNorm)}.values())
+    assert [m.num_groups for m in group_norms] == [r["groups"] for r in planned]
 
 
 def test_unknown_profile_norm() -> None:

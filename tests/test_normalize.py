@@ -9,17 +9,14 @@ import pytest
 import torch
 
 from conftest import SAMPLES, compile_to, emitted_modules
+from pipec.annotate import annotate
 from pipec.errors import ConfigError
-from pipec.normalize import largest_divisor
-
-
-def test_largest_divisor() -> None:
-    assert [largest_divisor(c, 32) for c in (16, 64, 48, 7, 96, 100)] == [16, 32, 24, 7, 32, 25]
+from pipec.loader import load_model_file
+from pipec.normalize import group_count, group_norm_rewrites, to_group_norm
+from pipec.trace import trace_model
 
 
 def test_group_count_keeps_enough_values_per_group() -> None:
-    from pipec.normalize import group_count
-
     assert group_count(64, 32 * 32) == 32  # convolutional features: Wu & He's 32
     assert group_count(64, 1) == 4  # (N, 64): 4 groups of 16 channels
     assert group_count(12, 1) == 1  # (N, 12): fewer than 16 channels, one group
@@ -142,7 +139,9 @@ def test_all_reduce_batch_norm_on_2_processes_equals_batch_norm(shape: tuple[int
     x = torch.randn(shape) * 3 + 1
     weight, bias, grad = torch.rand(shape[1]) + 0.5, torch.randn(shape[1]), torch.randn(shape)
     torch.save((x, weight, bias, grad), tmp_path / "inputs.pt")
-    compile_to(SAMPLES / "mlp.py", tmp_path / "o")
+    # Pure data parallelism: the plan synchronizes BatchNorm, so stages.py carries the CPU's
+    # all-reduce BatchNorm.
+    compile_to(SAMPLES / "resnet.py", tmp_path / "o", gpus=2, pp=1, batch_size=16)
     with emitted_modules(tmp_path / "o"):
         mp.start_processes(_all_reduce_batch_norm_worker,
                            args=(free_port(), "", str(tmp_path)), nprocs=2, join=True,
@@ -186,3 +185,30 @@ def test_batch_norm_1d_and_3d_become_group_norms_that_match_the_definition(
         expected = group_norm_by_definition(x, layer.num_groups, layer.weight, layer.bias,
                                             layer.eps)
         torch.testing.assert_close(layer(x), expected)
+
+
+@pytest.mark.parametrize("affine", [True, False])
+def test_to_group_norm_carries_the_affine_weight_and_bias(affine: bool) -> None:
+    batch_norm = torch.nn.BatchNorm2d(8, eps=1e-3, affine=affine)
+    if affine:
+        with torch.no_grad():
+            batch_norm.weight.uniform_(0.5, 1.5)
+            batch_norm.bias.uniform_(-1, 1)
+    group_norm = to_group_norm(batch_norm, 4)
+    assert (group_norm.num_groups, group_norm.num_channels, group_norm.eps,
+            group_norm.affine) == (4, 8, 1e-3, affine)
+    if affine:
+        torch.testing.assert_close(group_norm.weight, batch_norm.weight)
+        torch.testing.assert_close(group_norm.bias, batch_norm.bias)
+        assert group_norm.weight.data_ptr() != batch_norm.weight.data_ptr()  # a copy
+
+
+def test_group_norm_rewrites_are_those_of_a_pipelined_plan(tmp_path: Path) -> None:
+    """The entry point for `pipec profile`: no plan needed, the same group counts."""
+    compile_to(SAMPLES / "resnet.py", tmp_path / "o", gpus=2, batch_size=16)
+    planned = json.loads((tmp_path / "o" / "plan.json").read_text())["norm_rewrites"]
+    spec = load_model_file(SAMPLES / "resnet.py")
+    traced = trace_model(spec)
+    rewrites = group_norm_rewrites(traced, annotate(traced, spec))
+    assert [{"module": r.module, "from": r.from_, "to": r.to, "groups": r.groups}
+            for r in rewrites] == planned

@@ -1,0 +1,89 @@
+"""plan.json: the plan as data, with stable keys (add freely, rename never; docs/runtime.md),
+and its identity (the hash train.py, its checkpoints and its metrics carry)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable
+from dataclasses import asdict
+from typing import Any
+
+from pipec.costmodel import StageMemory
+from pipec.normalize import NormPlan
+from pipec.planner import Plan
+from pipec.trace import Traced
+
+
+def plan_dict(plan: Plan, norms: NormPlan, traced: Traced) -> dict[str, Any]:
+    """plan.json: stable keys, a contract with users and tests (add freely, rename never)."""
+    request = plan.request
+    return {
+        "gpus": request.gpus, "nodes": request.nodes, "pp": plan.pp, "dp": plan.dp,
+        "global_batch": request.global_batch, "micro_batch": plan.micro_batch,
+        "num_micro_batches": plan.num_micro_batches, "schedule": plan.schedule,
+        "hardware": request.hardware, "optimizer": request.training.optimizer,
+        "precision": request.training.precision, "frontend": traced.frontend,
+        "calibration": request.calibration.device if request.calibration else None,
+        "calibration_node_times": bool(request.calibration and request.calibration.nodes),
+        "inputs": list(traced.input_names),
+        "stages": [{
+            "index": s.index, "modules": list(s.modules), "params": s.params,
+            "fwd_flops": s.fwd_flops, "bwd_flops": s.bwd_flops,
+            "activation_bytes": s.activation_bytes, "memory_bytes": s.memory_bytes,
+            "time_s": s.time_s, "compute_s": s.compute_s, "boundary_bytes": s.boundary_bytes,
+            "nodes": [s.start, s.end], "device": s.device, "fwd_s": s.fwd_s, "bwd_s": s.bwd_s,
+            "memory": _memory_terms(s.memory),
+        } for s in plan.stages],
+        "predicted": {
+            "iteration_s": plan.iteration_s, "samples_per_s": plan.samples_per_s,
+            "bubble": plan.simulation.bubble,
+            "peak_memory_bytes": list(plan.device_memory_bytes),
+            "memory_terms": [{**_sum_terms(s.memory for s in plan.stages if s.device == d),
+                              "runtime": plan.device_memory_bytes[d] - sum(
+                                  s.memory_bytes for s in plan.stages if s.device == d)}
+                             for d in range(plan.pp)],
+        },
+        "virtual_stages": plan.virtual_stages,
+        "devices": [d.name for d in request.devices],
+        "search": {"evaluated": len(plan.candidates), "pruned": plan.pruned},
+        "candidates": [{
+            "micro_batch": c.micro_batch, "num_micro_batches": c.num_micro_batches,
+            "schedule": c.schedule, "samples_per_s": c.samples_per_s, "pp": c.pp, "dp": c.dp,
+            "virtual_stages": c.virtual_stages,
+            "peak_memory_bytes": c.peak_memory_bytes, "feasible": c.feasible,
+        } for c in plan.candidates],
+        "baselines": [{
+            "name": b.name, "micro_batch": b.micro_batch, "schedule": b.schedule,
+            "samples_per_s": b.samples_per_s, "feasible": b.feasible,
+        } for b in plan.baselines],
+        "max_batch": {
+            "pipec": plan.max_batch[0].batch,
+            "baselines": {m.method: m.batch for m in plan.max_batch[1:]},
+            "limit": plan.max_batch_limit,
+            "capped": [m.method for m in plan.max_batch if m.capped],
+        },
+        "strategy": request.strategy,
+        "norm": norms.choice,
+        "norm_rewrites": [{"module": r.module, "from": r.from_, "to": r.to, "groups": r.groups}
+                          for r in norms.rewrites],
+    }
+
+
+def _memory_terms(memory: StageMemory | None) -> dict[str, float]:
+    return {} if memory is None else asdict(memory)
+
+
+def _sum_terms(memories: Iterable[StageMemory | None]) -> dict[str, float]:
+    """A device's memory by term: the sum over its stages."""
+    total: dict[str, float] = {}
+    for memory in memories:
+        for term, value in _memory_terms(memory).items():
+            total[term] = total.get(term, 0.0) + value
+    return total
+
+
+def plan_id(plan_json: dict[str, Any]) -> str:
+    """A short hash of plan.json's content: the emitted script's PLAN_ID, which checkpoints and
+    metrics carry so that they are never matched to another plan."""
+    return hashlib.sha256(json.dumps(plan_json, sort_keys=True).encode()).hexdigest()[:16]
