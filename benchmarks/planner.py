@@ -47,7 +47,7 @@ def plan_entry(model: Path, gpus: int, nodes: int, hardware: str, batch: int, sc
 
 
 def ratio(plan: Plan, name: str) -> str:
-    baseline = next(b for b in plan.baselines if b.name == name)
+    baseline = next(b for b in plan.baselines if b.strategy == name)
     return (f"{plan.samples_per_s / baseline.samples_per_s:.2f}" if baseline.feasible
             else "does not fit")
 
@@ -57,7 +57,7 @@ def best_baseline(plan: Plan) -> str:
     if not feasible:
         return "none fits"
     best = max(feasible, key=lambda b: b.samples_per_s)
-    return f"{best.name} {plan.samples_per_s / best.samples_per_s:.2f}"
+    return f"{best.strategy} {plan.samples_per_s / best.samples_per_s:.2f}"
 
 
 def max_batch(plan: Plan) -> str:

@@ -54,14 +54,14 @@ def plan_dict(plan: Plan, norms: NormPlan, traced: Traced) -> dict[str, Any]:
             "peak_memory_bytes": c.peak_memory_bytes, "feasible": c.feasible,
         } for c in plan.candidates],
         "baselines": [{
-            "name": b.name, "micro_batch": b.micro_batch, "schedule": b.schedule,
+            "name": b.strategy, "micro_batch": b.micro_batch, "schedule": b.schedule,
             "samples_per_s": b.samples_per_s, "feasible": b.feasible,
         } for b in plan.baselines],
         "max_batch": {
             "pipec": plan.max_batch[0].batch,
-            "baselines": {m.method: m.batch for m in plan.max_batch[1:]},
+            "baselines": {m.strategy: m.batch for m in plan.max_batch[1:]},
             "limit": plan.max_batch_limit,
-            "capped": [m.method for m in plan.max_batch if m.capped],
+            "capped": [m.strategy for m in plan.max_batch if m.capped],
         },
         "strategy": request.strategy,
         "norm": norms.choice,

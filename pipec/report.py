@@ -45,7 +45,7 @@ def _schedule_label(schedule: str, virtual_stages: int) -> str:
 def baseline_table(plan: Plan) -> str:
     rows = [("pipec", plan.micro_batch, _schedule_label(plan.schedule, plan.virtual_stages),
              f"{plan.samples_per_s:,.1f}", "yes", "1.00")]
-    rows += [(b.name, b.micro_batch, b.schedule, f"{b.samples_per_s:,.1f}",
+    rows += [(b.strategy, b.micro_batch, b.schedule, f"{b.samples_per_s:,.1f}",
               "yes" if b.feasible else "no", f"{plan.samples_per_s / b.samples_per_s:.2f}")
              for b in plan.baselines]
     headers = ("method", "micro-batch", "schedule", "samples/s", "fits", "pipec ÷ method")
@@ -56,7 +56,7 @@ def max_batch_table(plan: Plan) -> str:
     """The largest global batch each method trains within memory; `≥ limit` when memory does
     not bound it (1F1B holds at most pp micro-batches whatever the batch)."""
     conventional = plan.max_batch[-1].batch
-    rows = [(m.method, f"≥ {m.batch:,}" if m.capped else f"{m.batch:,}",
+    rows = [(m.strategy, f"≥ {m.batch:,}" if m.capped else f"{m.batch:,}",
              f"{m.batch / conventional:.2f}{'+' if m.capped else ''}" if conventional else "—")
             for m in plan.max_batch]
     return tabulate(rows, ("method", "max global batch", "÷ conventional"), tablefmt="github")

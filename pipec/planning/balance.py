@@ -1,0 +1,108 @@
+"""The strategies, and the rule each one places stage boundaries with (its balance).
+
+torchgpipe's ``balance/`` has the same idea: a partition balances time, or parameters, or
+nothing (equal layer counts); pipec balances time within each device's memory.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Literal
+
+import numpy as np
+
+from pipec.costmodel import StageRole, ends_bytes, stage_memory
+from pipec.partition import Problem, make_problem, solve
+from pipec.planning.costs import BoundaryKey, Costs, Point
+
+Balance = Literal["time_within_memory", "time", "parameters", "uniform"]
+
+# What each strategy's boundaries balance, in the order reports list the strategies.
+BALANCE: dict[str, Balance] = {
+    "pipec": "time_within_memory",  # the exact DP on time, under each device's memory
+    "uniform": "uniform",  # equal node counts (Megatron's equal layers)
+    "parameters": "parameters",  # the DP on parameter counts (DeepSpeed's default)
+    "torchgpipe": "time",  # the DP on time, ignoring memory (torchgpipe's blockpartition)
+    "conventional": "time",  # the study's: torchgpipe's boundaries, GPipe, M = 4 · pp
+}
+STRATEGIES = tuple(BALANCE)
+BASELINES = STRATEGIES[1:]
+
+
+def boundaries(costs: Costs, point: Point, roles: tuple[StageRole, ...], balance: Balance
+               ) -> tuple[int, ...] | None:
+    """The stage boundaries ``balance`` gives at ``point`` (None: nothing fits the memory).
+    Cached in ``costs``: a rule without memory limits depends on fewer things than the point."""
+    key = _cache_key(point, roles, balance)
+    if key not in costs.boundary_cache:
+        costs.boundary_cache[key] = _place(costs, point, roles, balance)
+    return costs.boundary_cache[key]
+
+
+def _cache_key(point: Point, roles: tuple[StageRole, ...], balance: Balance) -> BoundaryKey:
+    key: BoundaryKey = (point.layout, balance)
+    if balance != "uniform" and balance != "parameters":
+        key += (point.micro_batch,)
+    if balance == "time_within_memory":
+        key += (roles,)
+    return key
+
+
+def _place(costs: Costs, point: Point, roles: tuple[StageRole, ...], balance: Balance
+           ) -> tuple[int, ...] | None:
+    if balance == "uniform":
+        return uniform_boundaries(costs.legal, point.layout.stages)
+    if balance == "time_within_memory":
+        fitting = _time_balance_if_it_fits(costs, point, roles)
+        if fitting is not None:
+            return fitting
+    partition = solve(_problem(costs, point, roles, balance))
+    return None if partition is None else partition.boundaries
+
+
+def _time_balance_if_it_fits(costs: Costs, point: Point, roles: tuple[StageRole, ...]
+                             ) -> tuple[int, ...] | None:
+    """The unconstrained optimum, when it fits the memory: then it is also the constrained
+    optimum, and one DP serves every schedule of the point."""
+    bounds = boundaries(costs, point, roles, "time")
+    assert bounds is not None
+    sc = costs.stages(point.layout, point.micro_batch)
+    capacity = sc.stage_capacity(point.layout)
+    for (a, b), role in zip(itertools.pairwise(bounds), roles, strict=True):
+        if stage_memory(sc.arrays, a, b, role).total > capacity[role.index]:
+            return None
+    return bounds
+
+
+def _problem(costs: Costs, point: Point, roles: tuple[StageRole, ...], balance: Balance
+             ) -> Problem:
+    """The DP's instance: "time_within_memory" minimizes the slowest stage under each device's
+    memory; "time" ignores memory; "parameters" balances parameter counts (no memory, no links)."""
+    layout = point.layout
+    sc = costs.stages(layout, point.micro_batch)
+    unlimited = (float("inf"),) * layout.stages
+    flights = tuple(role.in_flight for role in roles)
+    arrays = sc.arrays
+    if balance == "parameters":
+        return make_problem(costs.params, arrays.static_bytes, arrays.activation_bytes,
+                            np.zeros_like(sc.cut_s), costs.legal, unlimited, flights)
+    if balance == "time":
+        return make_problem(sc.time_s, arrays.static_bytes, arrays.activation_bytes, sc.cut_s,
+                            costs.legal, unlimited, flights)
+    enter, leave = zip(*(ends_bytes(arrays, role) for role in roles), strict=True)
+    return make_problem(sc.time_s, arrays.static_bytes, arrays.activation_bytes, sc.cut_s,
+                        costs.legal, sc.stage_capacity(layout), flights, np.stack(enter),
+                        np.stack(leave), arrays.working_bytes)
+
+
+def uniform_boundaries(legal: np.ndarray, stages: int) -> tuple[int, ...]:
+    """Equal node counts per stage, each boundary moved to the nearest free legal cut."""
+    n = len(legal) - 1
+    cuts = [i for i in range(1, n) if legal[i]]
+    chosen: list[int] = []
+    for s in range(1, stages):
+        free = [c for c in cuts if c not in chosen and (not chosen or c > chosen[-1])]
+        # Leave enough legal cuts for the stages still to come.
+        free = free[:len(free) - (stages - 1 - s)]
+        chosen.append(min(free, key=lambda c: abs(c - s * n / stages)))
+    return (0, *chosen, n)

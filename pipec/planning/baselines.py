@@ -1,0 +1,81 @@
+"""The baselines' plans, by the same cost model and simulator as pipec's, and the choice of the
+plan to emit: a baseline's (--strategy), or pipec's unless a feasible baseline is faster."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipec.errors import InfeasibleError
+from pipec.hardware import GIB
+from pipec.planning.balance import BALANCE, BASELINES
+from pipec.planning.costs import Costs, Layout, Point
+from pipec.planning.evaluate import Evaluated, rank, unlimited
+from pipec.planning.layouts import conventional_layout, micro_batch_sizes
+from pipec.planning.values import Baseline, PlanRequest
+from pipec.schedule import runs
+
+
+@dataclass(frozen=True)
+class BaselinePlan:
+    summary: Baseline
+    evaluated: Evaluated
+
+
+def baselines(costs: Costs, searched: Layout) -> tuple[BaselinePlan, ...]:
+    """Each baseline strategy's plan: on pipec's pp × dp (``searched``), conventional on its
+    own pipeline."""
+    return tuple(_baseline(costs, conventional_layout(costs) if strategy == "conventional"
+                           else searched, strategy) for strategy in BASELINES)
+
+
+def _baseline(costs: Costs, layout: Layout, strategy: str) -> BaselinePlan:
+    """A baseline on the given pp × dp: its balance, and the best micro-batch and schedule for
+    its boundaries (the fastest that fits, else the fastest); `conventional` is the study's:
+    torchgpipe's time balance, GPipe, M = 4 · pp micro-batches, on one pipeline."""
+    request = costs.request
+    replica_batch = request.global_batch // layout.dp
+    balance = BALANCE[strategy]
+    if strategy == "conventional":
+        point = Point(layout, _conventional_micro_batch(replica_batch, layout.pp), "gpipe")
+        tried = [unlimited(costs, point, balance)]
+    else:
+        tried = [unlimited(costs, Point(layout, m, schedule), balance)
+                 for m in micro_batch_sizes(request, replica_batch)
+                 for schedule in ("gpipe", "1f1b") if runs(schedule, layout.pp, replica_batch // m)]
+    fitting = [e for e in tried if e.fits()]
+    e = min(fitting or tried, key=rank)
+    return BaselinePlan(Baseline(strategy, e.micro_batch, e.schedule,
+                                 request.global_batch / e.iteration_s, bool(fitting)), e)
+
+
+def _conventional_micro_batch(replica_batch: int, pp: int) -> int:
+    """The largest divisor of the replica's batch at most replica_batch / (4 · pp): about
+    4 · pp micro-batches, as the study's conventional pipelining runs."""
+    micro_batch = max(1, replica_batch // (4 * pp))
+    while replica_batch % micro_batch:
+        micro_batch -= 1
+    return micro_batch
+
+
+def adopt(best: Evaluated, plans: tuple[BaselinePlan, ...], request: PlanRequest) -> Evaluated:
+    """The plan to emit: a baseline's when asked (--strategy), else pipec's. pipec's search
+    includes the baselines' partitions: a feasible baseline that simulates faster, within what
+    the user fixed (--micro-batch, --schedule, --pp), wins."""
+    strategy = request.strategy
+    if strategy != "pipec":
+        chosen = next(p for p in plans if p.summary.strategy == strategy)
+        if not chosen.summary.feasible:
+            raise InfeasibleError(f"--strategy {strategy} does not fit: it needs "
+                                  f"{max(chosen.evaluated.memory) / GIB:.2f} GiB on its fullest "
+                                  "device; use --strategy pipec or more devices")
+        return chosen.evaluated
+    faster = [p.evaluated for p in plans
+              if p.summary.feasible and p.evaluated.iteration_s < best.iteration_s
+              and _allowed(p.evaluated, request)]
+    return min([best, *faster], key=rank)
+
+
+def _allowed(e: Evaluated, request: PlanRequest) -> bool:
+    """Whether ``e`` keeps what the user fixed."""
+    return (request.micro_batch in (None, e.micro_batch) and request.pp in (None, e.layout.pp)
+            and request.schedule in ("auto", e.schedule))

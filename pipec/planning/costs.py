@@ -1,0 +1,131 @@
+"""The points of the search, and the cost arrays they share, computed once (``Costs``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipec.annotate import CostGraph
+from pipec.costmodel import (
+    NodeArrays,
+    boundary_s,
+    crosses_nodes,
+    node_arrays,
+    usable_memory,
+)
+from pipec.hardware import Device
+from pipec.planning.values import PlanRequest
+
+
+@dataclass(frozen=True)
+class Layout:
+    """pp pipeline positions × dp replicas, v stages per position (interleaved)."""
+
+    pp: int
+    dp: int
+    virtual: int = 1
+
+    @property
+    def stages(self) -> int:
+        return self.pp * self.virtual
+
+
+@dataclass(frozen=True)
+class Point:
+    """One point of the search: a layout, a micro-batch size and a schedule."""
+
+    layout: Layout
+    micro_batch: int
+    schedule: str
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Per-node costs as each stage sees them on the devices it lands on (rows: stages)."""
+
+    time_s: np.ndarray  # (stages, n): forward + backward
+    fwd_s: np.ndarray  # (stages, n)
+    bwd_s: np.ndarray  # (stages, n)
+    arrays: NodeArrays  # device-independent bytes
+    cut_s: np.ndarray  # (stages, n + 1): sending across each cut to the next stage
+    capacity: tuple[float, ...]  # per position: usable bytes of its smallest device
+    runtime: tuple[float, ...]  # per position: the runtime's own bytes beside the stages
+    # What every stage pays per micro-batch besides its nodes (calling it, starting autograd's
+    # engine), forward and backward: the same for all stages, so the partition ignores it.
+    overhead_s: tuple[float, float] = (0.0, 0.0)
+
+    def stage_capacity(self, layout: Layout) -> tuple[float, ...]:
+        """Per stage, the bytes it may use: its device's, less the runtime's own, shared
+        equally by the device's stages (interleaved)."""
+        return tuple((self.capacity[k % layout.pp] - self.runtime[k % layout.pp]) / layout.virtual
+                     for k in range(layout.stages))
+
+
+# What a boundary rule's answer depends on (balance.py builds it): the layout, the balance,
+# and for some rules the micro-batch size and the stages' roles.
+BoundaryKey = tuple[object, ...]
+
+
+class Costs:
+    """The graph and the request, with every cost array cached: points share them."""
+
+    def __init__(self, graph: CostGraph, request: PlanRequest) -> None:
+        self.graph, self.request = graph, request
+        self.legal = np.array(graph.legal_cuts)
+        self.max_stages = int(self.legal[1:-1].sum()) + 1
+        self.params = np.array([n.params for n in graph.nodes], dtype=float)
+        self.param_bytes = np.array([n.param_bytes for n in graph.nodes], dtype=float)
+        self._nodes: dict[tuple[Device, int], NodeArrays] = {}
+        self._stages: dict[tuple[Layout, int], StageCosts] = {}
+        # Filled and read by balance.boundaries only: points that differ in what a boundary
+        # rule ignores share one partition.
+        self.boundary_cache: dict[BoundaryKey, tuple[int, ...] | None] = {}
+
+    def nodes(self, device: Device, micro_batch: int) -> NodeArrays:
+        key = (device, micro_batch)
+        if key not in self._nodes:
+            self._nodes[key] = node_arrays(self.graph, device, micro_batch,
+                                           self.request.training, self.request.calibration)
+        return self._nodes[key]
+
+    def devices(self, layout: Layout, position: int) -> list[Device]:
+        """The distinct devices that run a pipeline position, one per replica."""
+        ranks = [r * layout.pp + position for r in range(layout.dp)]
+        return list(dict.fromkeys(self.request.devices[r] for r in ranks))
+
+    def stages(self, layout: Layout, micro_batch: int) -> StageCosts:
+        key = (layout, micro_batch)
+        if key not in self._stages:
+            self._stages[key] = self._stage_costs(layout, micro_batch)
+        return self._stages[key]
+
+    def _stage_costs(self, layout: Layout, micro_batch: int) -> StageCosts:
+        # A position's replicas wait for each other (the all-reduce): node by node, the slowest.
+        positions = [self.devices(layout, p) for p in range(layout.pp)]
+        slowest = [[np.max([getattr(self.nodes(d, micro_batch), field) for d in devices], axis=0)
+                    for field in ("fwd_s", "bwd_s")] for devices in positions]
+        fwd = np.stack([slowest[k % layout.pp][0] for k in range(layout.stages)])
+        bwd = np.stack([slowest[k % layout.pp][1] for k in range(layout.stages)])
+        arrays = self.nodes(positions[0][0], micro_batch)
+        cut = np.stack([self._cut_s(layout, arrays, k) for k in range(layout.stages)])
+        capacity = tuple(min(usable_memory(d) for d in devices) for devices in positions)
+        runtime = tuple(max(d.runtime_bytes for d in devices) for devices in positions)
+        calibration = self.request.calibration
+        overhead = calibration.stage_overhead_s if calibration else (0.0, 0.0)
+        return StageCosts(fwd + bwd, fwd, bwd, arrays, cut, capacity, runtime, overhead)
+
+    def _cut_s(self, layout: Layout, arrays: NodeArrays, stage: int) -> np.ndarray:
+        """Stage → stage + 1 over the slowest link between the two positions' devices."""
+        source, target = stage % layout.pp, (stage + 1) % layout.pp
+        link = min(self.devices(layout, source) + self.devices(layout, target),
+                   key=lambda d: d.intra_node_bandwidth)
+        per_node = self.request.gpus // self.request.nodes
+        return boundary_s(arrays.cut_bytes, link,
+                          crosses_nodes(source, target, layout.pp, layout.dp, per_node))
+
+    def fastest_work_s(self, micro_batch: int) -> float:
+        """One micro-batch's forward + backward, every node on the fastest device for it."""
+        times = [self.nodes(d, micro_batch) for d in set(self.request.devices)]
+        return float(np.min([a.fwd_s + a.bwd_s for a in times], axis=0).sum())
+

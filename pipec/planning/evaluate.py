@@ -1,0 +1,134 @@
+"""One point: its stage boundaries and memory (``partition``), then its simulated iteration
+(``timed``): the schedule, then each pipeline position's gradient all-reduce."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, replace
+
+from pipec.costmodel import StageMemory, StageRole, allreduce_s, spans_nodes, stage_memory
+from pipec.planning.balance import Balance, boundaries
+from pipec.planning.costs import Costs, Layout, Point, StageCosts
+from pipec.schedule import SCHEDULES, Simulation, in_flight, simulate, stage_lower_bound_s
+
+
+@dataclass(frozen=True)
+class Evaluated:
+    """A point partitioned: its boundaries and memory; its iteration time once ``timed``."""
+
+    point: Point
+    boundaries: tuple[int, ...]
+    stage_costs: StageCosts
+    num_micro_batches: int  # per replica and step
+    memory: tuple[float, ...]  # per position, the runtime's own bytes included
+    stage_memory: tuple[StageMemory, ...]  # per stage
+    iteration_s: float = float("nan")  # nan until ``timed``: only the memory was needed
+
+    @property
+    def layout(self) -> Layout:
+        return self.point.layout
+
+    @property
+    def micro_batch(self) -> int:
+        return self.point.micro_batch
+
+    @property
+    def schedule(self) -> str:
+        return self.point.schedule
+
+    def fits(self) -> bool:
+        return all(m <= c for m, c in zip(self.memory, self.stage_costs.capacity, strict=True))
+
+
+def partition(costs: Costs, point: Point, balance: Balance,
+              batch: int | None = None) -> Evaluated | None:
+    """The boundaries and memory of one point at the global ``batch`` (default: the
+    request's), not yet simulated; None when ``balance`` finds nothing that fits."""
+    layout = point.layout
+    micro_batches = (batch or costs.request.global_batch) // (layout.dp * point.micro_batch)
+    flights = in_flight(point.schedule, layout.pp, micro_batches, layout.virtual)
+    roles = tuple(StageRole(k, layout.stages, micro_batches, f, layout.dp)
+                  for k, f in enumerate(flights))
+    bounds = boundaries(costs, point, roles, balance)
+    if bounds is None:
+        return None
+    sc = costs.stages(layout, point.micro_batch)
+    stages = tuple(stage_memory(sc.arrays, a, b, role)
+                   for (a, b), role in zip(itertools.pairwise(bounds), roles, strict=True))
+    memory = tuple(sum(m.total for m in stages[p::layout.pp]) + sc.runtime[p]
+                   for p in range(layout.pp))
+    return Evaluated(point, bounds, sc, micro_batches, memory, stages)
+
+
+def timed(costs: Costs, e: Evaluated) -> Evaluated:
+    """``e`` with its iteration time: the simulated schedule (no timeline: the search needs only
+    the figures), then the slowest position's gradient all-reduce."""
+    simulation = _simulate(e, timeline=False)
+    return replace(e, iteration_s=simulation.iteration_s + sync_s(costs, e))
+
+
+def timeline(e: Evaluated) -> Simulation:
+    """``e``'s schedule simulated again, keeping every action (the timeline picture); its times
+    are those ``timed`` found."""
+    return _simulate(e, timeline=True)
+
+
+def _simulate(e: Evaluated, timeline: bool) -> Simulation:
+    fwd, bwd = stage_times(e)
+    return simulate(e.schedule, fwd, bwd, e.num_micro_batches, e.layout.pp, timeline)
+
+
+def unlimited(costs: Costs, point: Point, balance: Balance) -> Evaluated:
+    """A point partitioned by a balance without a memory limit, and timed: always exists."""
+    e = partition(costs, point, balance)
+    assert e is not None  # without a memory limit every legal partition is allowed
+    return timed(costs, e)
+
+
+def rank(e: Evaluated) -> tuple[float, float, int, int, int]:
+    """Faster first; then less memory, a larger micro-batch, the earlier schedule, fewer stages."""
+    return (e.iteration_s, max(e.memory), -e.micro_batch, SCHEDULES.index(e.schedule),
+            e.layout.virtual)
+
+
+def stage_bound_s(costs: Costs, e: Evaluated) -> float:
+    """A lower bound on the iteration time from the stage times, without simulating."""
+    fwd, bwd = stage_times(e)
+    return stage_lower_bound_s(fwd, bwd, e.num_micro_batches, e.layout.pp) + sync_s(costs, e)
+
+
+def stage_times(e: Evaluated) -> tuple[list[float], list[float]]:
+    """Per stage, one micro-batch's forward and backward, each with half the boundary."""
+    sc = e.stage_costs
+    spans = list(itertools.pairwise(e.boundaries))
+    fwd = [stage_fwd_s(sc, k, a, b) + float(sc.cut_s[k, b]) / 2
+           for k, (a, b) in enumerate(spans)]
+    bwd = [stage_bwd_s(sc, k, a, b) + float(sc.cut_s[k, b]) / 2
+           for k, (a, b) in enumerate(spans)]
+    return fwd, bwd
+
+
+def stage_fwd_s(sc: StageCosts, k: int, a: int, b: int) -> float:
+    """Stage k's forward over nodes [a, b), one micro-batch, the stage's own overhead included."""
+    return float(sc.fwd_s[k, a:b].sum()) + sc.overhead_s[0]
+
+
+def stage_bwd_s(sc: StageCosts, k: int, a: int, b: int) -> float:
+    """Stage k's backward over nodes [a, b), one micro-batch, the stage's own overhead included."""
+    return float(sc.bwd_s[k, a:b].sum()) + sc.overhead_s[1]
+
+
+def sync_s(costs: Costs, e: Evaluated) -> float:
+    """The slowest position's gradient all-reduce (all positions run theirs at once)."""
+    spans = list(itertools.pairwise(e.boundaries))
+    pp = e.layout.pp
+    return max(_allreduce_s(costs, e.layout, p, spans[p::pp]) for p in range(pp))
+
+
+def _allreduce_s(costs: Costs, layout: Layout, position: int,
+                 spans: list[tuple[int, int]]) -> float:
+    grad_bytes = sum(float(costs.param_bytes[a:b].sum()) for a, b in spans)
+    link = min(costs.devices(layout, position), key=lambda d: d.intra_node_bandwidth)
+    per_node = costs.request.gpus // costs.request.nodes
+    return allreduce_s(grad_bytes, layout.dp, link,
+                       spans_nodes(position, layout.pp, layout.dp, per_node))

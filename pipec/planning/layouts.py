@@ -1,0 +1,105 @@
+"""The search space: the pp × dp layouts, micro-batch sizes, schedules and stages per device
+that the request allows, checked against the devices, the batch and the model's legal cuts."""
+
+from __future__ import annotations
+
+from pipec.errors import ConfigError
+from pipec.planning.costs import Costs, Layout, Point
+from pipec.planning.values import PlanRequest
+from pipec.schedule import SCHEDULES, runs
+
+# Interleaved 1F1B: the stages per device searched when --virtual-stages is not given.
+VIRTUAL_STAGES = (2, 3, 4)
+
+
+def layouts_to_search(costs: Costs) -> list[Layout]:
+    """The pp × dp layouts to search: the one --pp gives, or every pp dividing the device count
+    whose dp divides the batch and that the model's legal cuts allow."""
+    request = costs.request
+    if request.pp is not None:
+        return [layout_for_pp(costs, request.pp)]
+    layouts = [Layout(pp, request.gpus // pp) for pp in range(1, request.gpus + 1)
+               if request.gpus % pp == 0 and pp <= costs.max_stages
+               and request.global_batch % (request.gpus // pp) == 0]
+    if not layouts:
+        raise ConfigError(f"--batch-size {request.global_batch} is not divisible by any "
+                          f"data-parallel degree of {request.gpus} devices that this model's "
+                          f"{costs.max_stages} possible stages allow; use a multiple of "
+                          f"{request.gpus}")
+    return layouts
+
+
+def layout_for_pp(costs: Costs, pp: int) -> Layout:
+    """The layout of ``pp`` pipeline devices, the rest data parallel; a ConfigError when the
+    devices, the batch or the model's legal cuts do not allow it."""
+    request = costs.request
+    if request.gpus % pp:
+        raise ConfigError(f"--pp {pp} does not divide --gpus {request.gpus}; "
+                          "pipeline stages × data-parallel replicas must equal the device count")
+    dp = request.gpus // pp
+    if request.global_batch % dp:
+        raise ConfigError(f"--batch-size {request.global_batch} is not divisible by the "
+                          f"{dp} data-parallel replicas; use a multiple of {dp}")
+    if pp > costs.max_stages:
+        raise ConfigError(f"the model has {len(costs.graph.nodes)} nodes and only "
+                          f"{costs.max_stages - 1} legal stage boundaries, so at most "
+                          f"{costs.max_stages} stages; use --pp {costs.max_stages} or less")
+    return Layout(pp, dp)
+
+
+def conventional_layout(costs: Costs) -> Layout:
+    """The study's conventional setup: one pipeline over every device (or --pp's)."""
+    request = costs.request
+    pp = request.pp or max(p for p in range(1, min(request.gpus, costs.max_stages) + 1)
+                           if request.gpus % p == 0
+                           and request.global_batch % (request.gpus // p) == 0)
+    return Layout(pp, request.gpus // pp)
+
+
+def points(costs: Costs, layouts: list[Layout]) -> list[Point]:
+    """Every point of ``layouts`` that the request allows and torch's schedules run."""
+    request = costs.request
+    found = []
+    for layout in layouts:
+        pp, dp = layout.pp, layout.dp
+        replica_batch = request.global_batch // dp
+        for m in micro_batch_sizes(request, replica_batch):
+            for schedule in _schedules(request):
+                found += [Point(Layout(pp, dp, v), m, schedule)
+                          for v in _virtual_stages(costs, schedule, pp)
+                          if runs(schedule, pp, replica_batch // m, v)]
+    if not found:
+        raise _no_schedule(request, layouts[-1].pp)
+    return found
+
+
+def _no_schedule(request: PlanRequest, pp: int) -> ConfigError:
+    if request.schedule == "interleaved":
+        return ConfigError(f"--schedule interleaved needs 2 or more pipeline devices and a "
+                           f"multiple of {pp} micro-batches per step, with {pp} × "
+                           "--virtual-stages stages the model can be cut into; use a smaller "
+                           "--micro-batch, another --pp or --schedule 1f1b")
+    return ConfigError(f"--schedule {request.schedule} needs at least {pp} micro-batches per "
+                       f"step (one per stage); use a smaller --micro-batch or --schedule gpipe")
+
+
+def micro_batch_sizes(request: PlanRequest, replica_batch: int) -> list[int]:
+    """The one --micro-batch gives (checked), or every divisor of the replica's batch."""
+    if request.micro_batch is None:
+        return [m for m in range(1, replica_batch + 1) if replica_batch % m == 0]
+    if request.micro_batch < 1 or replica_batch % request.micro_batch:
+        raise ConfigError(f"--micro-batch {request.micro_batch} does not divide the per-replica "
+                          f"batch {replica_batch}; pick a divisor of {replica_batch}")
+    return [request.micro_batch]
+
+
+def _schedules(request: PlanRequest) -> tuple[str, ...]:
+    return SCHEDULES if request.schedule == "auto" else (request.schedule,)
+
+
+def _virtual_stages(costs: Costs, schedule: str, pp: int) -> tuple[int, ...]:
+    if schedule != "interleaved":
+        return (1,)
+    options = ((costs.request.virtual_stages,) if costs.request.virtual_stages
+               else VIRTUAL_STAGES)
+    return tuple(v for v in options if pp * v <= costs.max_stages)

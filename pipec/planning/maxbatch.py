@@ -1,0 +1,71 @@
+"""The largest global batch each strategy trains within memory: pipec over every pp × dp it may
+pick, the partition baselines on pipec's, conventional on its own pipeline. Each is tried in its
+leanest setting; the search doubles the batch, then bisects, up to a limit."""
+
+from __future__ import annotations
+
+from pipec.planning.balance import BALANCE, STRATEGIES
+from pipec.planning.costs import Costs, Layout, Point
+from pipec.planning.evaluate import partition
+from pipec.planning.layouts import conventional_layout, layouts_to_search
+from pipec.planning.values import MaxBatch
+from pipec.schedule import runs
+
+# The maximum-batch search stops at this multiple of --batch-size.
+MAX_BATCH_FACTOR = 64
+
+
+def max_batches(costs: Costs, searched: Layout, limit: int) -> tuple[MaxBatch, ...]:
+    """Per strategy (pipec first), its largest batch up to ``limit``; ``searched``: the pp × dp
+    of pipec's plan, where the partition baselines are tried."""
+    return tuple(_max_batch(costs, strategy, _layouts(costs, strategy, searched), limit)
+                 for strategy in STRATEGIES)
+
+
+def _layouts(costs: Costs, strategy: str, searched: Layout) -> list[Layout]:
+    if strategy == "pipec":
+        return layouts_to_search(costs)
+    if strategy == "conventional":
+        return [conventional_layout(costs)]
+    return [searched]
+
+
+def _batch_unit(strategy: str, layout: Layout) -> int:
+    """A layout trains multiples of this: a micro-batch per replica, or for conventional its
+    4 · pp micro-batches on each replica."""
+    return layout.dp * (4 * layout.pp if strategy == "conventional" else 1)
+
+
+def _max_batch(costs: Costs, strategy: str, layouts: list[Layout], limit: int) -> MaxBatch:
+    def fits(batch: int) -> bool:
+        return any(_fits_batch(costs, strategy, layout, batch)
+                   for layout in layouts if batch % _batch_unit(strategy, layout) == 0)
+    # Batches tried: multiples of the device count (every layout's dp divides it); conventional
+    # needs 4 · pp micro-batches on each of its dp replicas.
+    unit = (_batch_unit(strategy, layouts[0]) if strategy == "conventional"
+            else costs.request.gpus)
+    if not fits(unit):
+        return MaxBatch(strategy, 0, False)
+    low, high = 1, 2  # in units
+    while high * unit <= limit and fits(high * unit):
+        low, high = high, high * 2
+    if high * unit > limit:
+        return MaxBatch(strategy, low * unit, low * unit * 2 > limit)
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle * unit) else (low, middle)
+    return MaxBatch(strategy, low * unit, False)
+
+
+def _fits_batch(costs: Costs, strategy: str, layout: Layout, batch: int) -> bool:
+    """Whether ``strategy`` trains a global ``batch`` in memory in its leanest configuration:
+    micro-batch 1 under 1F1B (or GPipe where 1F1B is not allowed); conventional: its own."""
+    pp, dp = layout.pp, layout.dp
+    if strategy == "conventional":
+        micro_batch, schedule = batch // (dp * 4 * pp), "gpipe"
+    else:
+        micro_batch = 1
+        schedule = ("1f1b" if costs.request.schedule in ("auto", "1f1b")
+                    and runs("1f1b", pp, batch // dp) else "gpipe")
+    e = partition(costs, Point(layout, micro_batch, schedule), BALANCE[strategy], batch)
+    return e is not None and e.fits()

@@ -1,0 +1,101 @@
+"""What the plan pass takes and returns (re-exported by ``pipec.planner``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipec.costmodel import Calibration, StageMemory, Training
+from pipec.hardware import Device
+from pipec.schedule import Simulation
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    gpus: int
+    nodes: int
+    global_batch: int
+    pp: int | None  # None: searched
+    micro_batch: int | None  # None: searched
+    schedule: str  # "auto" or one of SCHEDULES
+    hardware: str
+    devices: tuple[Device, ...]  # one per rank, in rank order
+    training: Training
+    calibration: Calibration | None = None  # measured compute times (pipec profile)
+    strategy: str = "pipec"  # or a baseline's: plan as that baseline would
+    virtual_stages: int | None = None  # interleaved: stages per device; None: searched
+
+
+@dataclass(frozen=True, kw_only=True)
+class StagePlan:
+    index: int
+    start: int  # first node (position in CostGraph.nodes)
+    end: int  # one past the last node
+    modules: tuple[str, ...]
+    params: int
+    fwd_flops: float  # one micro-batch
+    bwd_flops: float
+    activation_bytes: float  # one micro-batch
+    memory_bytes: float  # its peak: every term of ``memory`` (this stage alone)
+    time_s: float  # forward + backward + boundary, one micro-batch
+    compute_s: float  # forward + backward alone, one micro-batch
+    boundary_bytes: float  # sent to the next stage, one micro-batch
+    device: int = 0  # pipeline position (rank mod pp) that runs it
+    fwd_s: float = 0.0  # forward compute alone, one micro-batch
+    bwd_s: float = 0.0  # backward compute alone, one micro-batch
+    memory: StageMemory | None = None  # memory_bytes by term
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One point of the search: its predicted throughput and whether it fits."""
+
+    micro_batch: int
+    num_micro_batches: int
+    schedule: str
+    samples_per_s: float
+    peak_memory_bytes: float
+    feasible: bool
+    pp: int
+    dp: int
+    virtual_stages: int = 1
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """A baseline strategy's own plan on the same devices, predicted by the same cost model."""
+
+    strategy: str  # plan.json: baselines[].name
+    micro_batch: int
+    schedule: str
+    samples_per_s: float
+    feasible: bool
+
+
+@dataclass(frozen=True)
+class MaxBatch:
+    """The largest global batch a strategy trains within memory on the given devices."""
+
+    strategy: str  # plan.json: max_batch.pipec, or a key of max_batch.baselines
+    batch: int  # 0: not even the smallest batch fits
+    capped: bool  # still fits at the search limit: memory does not bound it
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    request: PlanRequest
+    pp: int  # pipeline devices
+    dp: int
+    micro_batch: int
+    num_micro_batches: int
+    schedule: str
+    stages: tuple[StagePlan, ...]  # pp · virtual_stages of them
+    simulation: Simulation  # with the timeline (every action)
+    iteration_s: float
+    samples_per_s: float
+    candidates: tuple[Candidate, ...]  # every candidate evaluated
+    baselines: tuple[Baseline, ...]
+    max_batch: tuple[MaxBatch, ...]  # pipec first, then each baseline
+    max_batch_limit: int  # the search stops here
+    virtual_stages: int = 1
+    pruned: int = 0  # candidates skipped: their lower bound was slower than the plan
+    device_memory_bytes: tuple[float, ...] = ()  # per pipeline position, at its peak

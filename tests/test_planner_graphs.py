@@ -1,0 +1,204 @@
+"""plan() on hand-built cost graphs: boundaries, memory and the maximum batch by hand.
+
+The graphs are chains of nodes whose costs are round numbers on a device without overheads,
+latencies or fragmentation, so that every expected value below is computed by hand from the
+terms of ``pipec.costmodel.stage_memory`` (docs/cost-model.md), not by the planner's code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+import pytest
+
+from pipec.annotate import CostGraph, Linear, LossCost, NodeCost
+from pipec.costmodel import StageMemory, Training
+from pipec.errors import InfeasibleError
+from pipec.hardware import Device
+from pipec.planner import MaxBatch, Plan, PlanRequest, plan
+
+KIB, MIB = 2**10, 2**20
+ZERO = Linear(0.0, 0.0)
+
+
+def _device(memory_bytes: float = 1024 * MIB, flops: float = 1e12) -> Device:
+    """Compute bound (memory bandwidth out of the way), no fixed costs: a node's forward takes
+    flops / ``flops`` seconds, its backward twice that."""
+    return Device("test", fp32_flops=flops, bf16_flops=flops, memory_bandwidth=1e18,
+                  memory_bytes=memory_bytes, intra_node_bandwidth=1e10, inter_node_bandwidth=1e9,
+                  intra_node_latency_s=0.0, inter_node_latency_s=0.0, kernel_overhead_s=0.0,
+                  efficiency=1.0)
+
+
+def _chain(flops: Sequence[float], param_bytes: Sequence[int] | None = None,
+           saved_per_sample: float = 0.0, cut_per_sample: float = 0.0,
+           held: dict[int, float] | None = None, legal: Sequence[bool] | None = None,
+           target_per_sample: float = 0.0, loss_per_sample: float = 0.0,
+           working: dict[int, float] | None = None) -> CostGraph:
+    """A chain of len(flops) nodes: node i does flops[i] per sample forward (twice that
+    backward), holds param_bytes[i] of fp32 weights, saves ``saved_per_sample`` bytes for
+    backward and needs ``working[i]`` during its backward; every cut (the input and the output
+    too) carries ``cut_per_sample`` bytes, of which ``held[cut]`` no node saves."""
+    n = len(flops)
+    param_bytes = param_bytes or [0] * n
+    working = working or {}
+    nodes = tuple(NodeCost(
+        name=f"n{i}", op="call_function", target="f", module=f"layer{i}", shape=(1,),
+        is_tensor=True, fwd_flops=Linear(0.0, flops[i]), bwd_flops=Linear(0.0, 2 * flops[i]),
+        output_bytes=Linear(0.0, cut_per_sample), saved_bytes=Linear(0.0, saved_per_sample),
+        params=param_bytes[i] // 4, param_bytes=param_bytes[i], buffer_bytes=0,
+        working_bytes=Linear(0.0, working.get(i, 0.0)))
+        for i in range(n))
+    held = held or {}
+    return CostGraph(
+        nodes=nodes, cut_bytes=(Linear(0.0, cut_per_sample),) * (n + 1),
+        legal_cuts=tuple(legal) if legal is not None else (True,) * (n + 1), values=(),
+        held_cut_bytes=tuple(Linear(0.0, held.get(i, 0.0)) for i in range(n + 1)),
+        loss=LossCost(saved_bytes=Linear(0.0, loss_per_sample), working_bytes=ZERO,
+                      target_bytes=Linear(0.0, target_per_sample)))
+
+
+def _request(devices: Sequence[Device], global_batch: int = 16, pp: int | None = None,
+             micro_batch: int | None = None, schedule: str = "auto",
+             strategy: str = "pipec") -> PlanRequest:
+    return PlanRequest(gpus=len(devices), nodes=1, global_batch=global_batch, pp=pp,
+                       micro_batch=micro_batch, schedule=schedule, hardware="test",
+                       devices=tuple(devices), training=Training("sgd", "fp32"),
+                       strategy=strategy)
+
+
+def _boundaries(chosen: Plan) -> tuple[int, ...]:
+    return (*(s.start for s in chosen.stages), chosen.stages[-1].end)
+
+
+def test_identical_nodes_on_two_devices_split_evenly() -> None:
+    chosen = plan(_chain([1e9] * 8), _request([_device()] * 2, pp=2, schedule="1f1b"))
+    assert _boundaries(chosen) == (0, 4, 8)
+    assert chosen.stages[0].compute_s == pytest.approx(chosen.stages[1].compute_s)
+
+
+def test_a_heavy_node_gets_a_stage_of_its_own() -> None:
+    # Splits after node 1 (4 against 4 units of time), not in the middle (5 against 3).
+    chosen = plan(_chain([4e9, 1e9, 1e9, 1e9, 1e9]), _request([_device()] * 2, pp=2,
+                                                              schedule="1f1b"))
+    assert _boundaries(chosen) == (0, 1, 5)
+
+
+def test_a_device_half_as_fast_gets_half_the_nodes() -> None:
+    fast, slow = _device(flops=1e12), _device(flops=5e11)
+    # 6 equal nodes: 4 on the fast device and 2 on the slow one take 4 units each.
+    chosen = plan(_chain([1e9] * 6), _request([fast, slow], pp=2, schedule="1f1b"))
+    assert _boundaries(chosen) == (0, 4, 6)
+    chosen = plan(_chain([1e9] * 6), _request([slow, fast], pp=2, schedule="1f1b"))
+    assert _boundaries(chosen) == (0, 2, 6)
+
+
+@pytest.mark.parametrize(("strategy", "expected"), [
+    ("pipec", (0, 1, 6)), ("torchgpipe", (0, 1, 6)), ("conventional", (0, 1, 6)),
+    ("parameters", (0, 5, 6)), ("uniform", (0, 3, 6))])
+def test_each_strategy_places_boundaries_by_its_balance(strategy: str,
+                                                        expected: tuple[int, ...]) -> None:
+    # Time: node 0 does half the work. Parameters: all in nodes 4 and 5. Nodes: 3 and 3.
+    graph = _chain([5e9] + [1e9] * 5, param_bytes=[0, 0, 0, 0, MIB, MIB])
+    chosen = plan(graph, _request([_device()] * 2, pp=2, schedule="1f1b", strategy=strategy))
+    assert _boundaries(chosen) == expected
+    assert [b.strategy for b in chosen.baselines] == ["uniform", "parameters", "torchgpipe",
+                                                      "conventional"]
+
+
+def _front_heavy() -> CostGraph:
+    """8 equal nodes; the first 4 hold 1 MiB of weights each: 3 MiB with gradient and SGD
+    momentum (static_ratio 3.0)."""
+    return _chain([1e9] * 8, param_bytes=[MIB] * 4 + [0] * 4)
+
+
+def test_memory_that_binds_moves_the_boundary() -> None:
+    request = _request([_device(10 * MIB)] * 2, pp=2, micro_batch=4, schedule="gpipe")
+    # Unbounded, the even split; in 10 MiB the first stage holds at most 3 of the heavy nodes
+    # (9 MiB, 12 MiB for 4), so the boundary moves one node earlier.
+    unbounded = plan(_front_heavy(), replace(request, devices=(_device(),) * 2))
+    assert _boundaries(unbounded) == (0, 4, 8)
+    bound = plan(_front_heavy(), request)
+    assert _boundaries(bound) == (0, 3, 8)
+    assert bound.stages[0].memory_bytes == 9 * MIB
+    assert bound.device_memory_bytes == (9 * MIB, 3 * MIB)
+
+
+def test_a_strategy_that_does_not_fit_is_refused() -> None:
+    # uniform keeps the even split, 12 MiB on the first device.
+    request = _request([_device(10 * MIB)] * 2, pp=2, micro_batch=4, schedule="gpipe",
+                       strategy="uniform")
+    with pytest.raises(InfeasibleError, match=r"--strategy uniform does not fit: it needs 0\.01"):
+        plan(_front_heavy(), request)
+
+
+def test_memory_that_nothing_fits_is_infeasible() -> None:
+    # One node alone needs 3 MiB; no stage of any split fits in 2 MiB.
+    with pytest.raises(InfeasibleError, match="even at micro-batch 1"):
+        plan(_front_heavy(), _request([_device(2 * MIB)] * 2))
+
+
+def test_fixed_pp_and_micro_batch_are_honoured() -> None:
+    graph, devices = _chain([1e9] * 8), [_device()] * 4
+    free = plan(graph, _request(devices, global_batch=32))
+    # Without weights to all-reduce, pure data parallelism has no bubble and wins.
+    assert (free.pp, free.dp) == (1, 4)
+    fixed = plan(graph, _request(devices, global_batch=32, pp=2, micro_batch=4))
+    assert (fixed.pp, fixed.dp, fixed.micro_batch, fixed.num_micro_batches) == (2, 2, 4, 4)
+    assert {(c.pp, c.micro_batch) for c in fixed.candidates} == {(2, 4)}
+
+
+def test_the_plan_carries_the_timeline_of_its_iteration() -> None:
+    chosen = plan(_chain([1e9] * 8), _request([_device()] * 2, pp=2, micro_batch=4,
+                                              schedule="gpipe"))
+    # 4 micro-batches, forward and backward, on 2 stages; one replica: no all-reduce.
+    assert len(chosen.simulation.actions) == 2 * 4 * 2
+    assert chosen.simulation.iteration_s == chosen.iteration_s
+    # GPipe on balanced stages: (M + S − 1)(t_f + t_b), 4 nodes per stage
+    # (micro-batch 4: 4 ms forward, 8 ms backward per node).
+    assert chosen.iteration_s == pytest.approx((4 + 2 - 1) * 4 * 12e-3)
+
+
+def _two_stages() -> CostGraph:
+    """One legal boundary (after node 4). Per sample: each node saves 10 KiB, every cut carries
+    8 KiB (2 KiB of cut 4 saved by no node), node 2 needs 3 KiB during its backward, targets
+    take 1 KiB and the loss saves 4 KiB. Stage 0 holds 1 MiB of weights (3 MiB static), stage 1
+    2 MiB (6 MiB)."""
+    return _chain([1e9] * 8, param_bytes=[0, MIB, 0, 0, 0, 2 * MIB, 0, 0],
+                  saved_per_sample=10 * KIB, cut_per_sample=8 * KIB, held={4: 2 * KIB},
+                  legal=[True, False, False, False, True, False, False, False, True],
+                  target_per_sample=KIB, loss_per_sample=4 * KIB, working={2: 3 * KIB})
+
+
+def test_stage_memory_by_term() -> None:
+    """Micro-batch 2, 8 micro-batches under 1F1B: stage 0 holds 2 in flight, stage 1 one."""
+    chosen = plan(_two_stages(), _request([_device()] * 2, pp=2, micro_batch=2, schedule="1f1b"))
+    first, last = (s.memory for s in chosen.stages)
+    assert first == StageMemory(
+        static=3 * MIB, activations=2 * 4 * 20 * KIB, held_outputs=2 * 4 * KIB,
+        receive_buffers=8 * 16 * KIB,  # the output's gradient, one buffer per micro-batch
+        data=8 * 16 * KIB,  # the step's inputs
+        loss=0.0, working=6 * KIB)
+    assert last == StageMemory(
+        static=6 * MIB, activations=1 * 4 * 20 * KIB, held_outputs=0.0,
+        receive_buffers=8 * 16 * KIB,  # the input, one buffer per micro-batch
+        data=8 * 2 * KIB,  # the step's targets
+        loss=1 * 8 * KIB, working=0.0)
+    assert chosen.device_memory_bytes == (first.total, last.total)
+
+
+@pytest.mark.parametrize(("schedule", "expected"), [("gpipe", 192), ("auto", 826)])
+def test_max_batch_equals_the_memory_terms_by_hand(schedule: str, expected: int) -> None:
+    """_two_stages() on 2 devices of 16 MiB. At micro-batch 1, batch B is B micro-batches,
+    f of them in flight on a stage:
+    stage 0: static + working 3 + f · (activations 40 + held 2) + B · (gradient buffers 8 +
+    inputs 8) KiB; stage 1: static + f · (activations 40 + loss 4) + B · (receive buffers 8 +
+    targets 1) KiB.
+    GPipe (f = B): stage 0: 3 MiB + 3 KiB + 58 KiB · B ≤ 16 MiB: B ≤ 229; stage 1: 6 MiB +
+    53 KiB · B: B ≤ 193. 1F1B (f = 2, then 1): stage 0: 3 MiB + 87 KiB + 16 KiB · B: B ≤ 826;
+    stage 1: 6 MiB + 44 KiB + 9 KiB · B: B ≤ 1132. The search tries multiples of the 2
+    devices."""
+    chosen = plan(_two_stages(), _request([_device(16 * MIB)] * 2, pp=2, schedule=schedule))
+    assert chosen.max_batch_limit == 64 * 16
+    assert chosen.max_batch[0] == MaxBatch("pipec", expected, False)
