@@ -7,8 +7,7 @@ from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
 from pipec.errors import ConfigError
-from pipec.units import GIB as GIB  # re-exported: presets and messages size devices in GiB
-from pipec.units import MIB
+from pipec.units import GIB, MIB
 
 GB = 1e9
 TFLOPS = 1e12

@@ -16,7 +16,6 @@ import itertools
 
 from pipec.annotate import CostGraph
 from pipec.errors import ConfigError, InfeasibleError
-from pipec.hardware import GIB
 from pipec.planning.balance import STRATEGIES, uniform_boundaries
 from pipec.planning.baselines import adopt, baselines
 from pipec.planning.costs import Costs, Layout, Point
@@ -26,6 +25,7 @@ from pipec.planning.maxbatch import MAX_BATCH_FACTOR, max_batches
 from pipec.planning.search import search
 from pipec.planning.values import Baseline, Candidate, MaxBatch, Plan, PlanRequest, StagePlan
 from pipec.schedule import SCHEDULES
+from pipec.units import gib
 
 __all__ = [
     "MAX_BATCH_FACTOR",
@@ -86,12 +86,10 @@ def _infeasible(costs: Costs, layout: Layout) -> InfeasibleError:
     request = costs.request
     schedule = "gpipe" if request.global_batch // layout.dp < layout.pp else "1f1b"
     e = unlimited(costs, Point(layout, 1, schedule), "time")
-    need = max(e.memory) / GIB
-    have = min(e.stage_costs.capacity) / GIB
     return InfeasibleError(
-        f"the model needs {need:.2f} GiB on its fullest device even at micro-batch 1, have "
-        f"{have:.2f} GiB usable on {request.hardware}; try more --gpus, a device with more "
-        "memory (--hardware) or --optimizer sgd")
+        f"the model needs {gib(max(e.memory))} on its fullest device even at micro-batch 1, "
+        f"have {gib(min(e.stage_costs.capacity))} usable on {request.hardware}; try more "
+        "--gpus, a device with more memory (--hardware) or --optimizer sgd")
 
 
 def _stage_plans(costs: Costs, e: Evaluated) -> tuple[StagePlan, ...]:

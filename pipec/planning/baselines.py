@@ -6,13 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipec.errors import InfeasibleError
-from pipec.hardware import GIB
 from pipec.planning.balance import BALANCE, BASELINES
 from pipec.planning.costs import Costs, Layout, Point
 from pipec.planning.evaluate import Evaluated, rank, unlimited
 from pipec.planning.layouts import conventional_layout, micro_batch_sizes
 from pipec.planning.values import Baseline, PlanRequest
 from pipec.schedule import runs
+from pipec.units import gib
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ def adopt(best: Evaluated, plans: tuple[BaselinePlan, ...], request: PlanRequest
         chosen = next(p for p in plans if p.summary.strategy == strategy)
         if not chosen.summary.feasible:
             raise InfeasibleError(f"--strategy {strategy} does not fit: it needs "
-                                  f"{max(chosen.evaluated.memory) / GIB:.2f} GiB on its fullest "
+                                  f"{gib(max(chosen.evaluated.memory))} on its fullest "
                                   "device; use --strategy pipec or more devices")
         return chosen.evaluated
     faster = [p.evaluated for p in plans
