@@ -8,8 +8,10 @@
 # runs each emitted train.py with --metrics, and prints `pipec compare`: per-stage forward and
 # backward time, step time and peak CUDA memory, predicted and measured. GPT runs again with a
 # calibration measured on the device itself (pipec profile --device cuda). With two or more GPUs it
-# also runs a 2-stage pipeline over NCCL with torchrun. ALLOW_CPU=1 HARDWARE=cpu runs the same
-# steps without a GPU (gloo, no memory figures), to check the script itself.
+# also runs a 2-stage pipeline over NCCL with torchrun. The long-sequence LM
+# (benchmarks/models/long_lm.py) checks the memory model where it matters: logits, loss and
+# receive buffers. ALLOW_CPU=1 HARDWARE=cpu runs the same steps without a GPU (gloo; memory as
+# the CPU measures it), to check the script itself.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -55,6 +57,8 @@ check gpt-1gpu samples/gpt.py 64 --gpus 1
 run_one gpt-1gpu
 check resnet-1gpu samples/resnet.py 64 --gpus 1
 run_one resnet-1gpu
+check long-lm-1gpu benchmarks/models/long_lm.py 16 --gpus 1 --micro-batch 2
+run_one long-lm-1gpu
 # The same GPT plan with compute times measured on this device (pipec profile) instead of the
 # preset's roofline.
 device=$([ "$gpus" -ge 1 ] && echo cuda || echo cpu)
@@ -67,4 +71,9 @@ if [ "$gpus" -ge 2 ]; then
     (cd "$work/gpt-2gpu" && "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node 2 \
         train.py --steps "$STEPS" --metrics metrics.json | tail -2)
     "$PYTHON" -m pipec.cli compare "$work/gpt-2gpu" "$work/gpt-2gpu/metrics.json"
+    check long-lm-2gpu benchmarks/models/long_lm.py 16 --gpus 2 --pp 2 --schedule 1f1b \
+        --micro-batch 1
+    (cd "$work/long-lm-2gpu" && "$PYTHON" -m torch.distributed.run --standalone \
+        --nproc_per_node 2 train.py --steps "$STEPS" --metrics metrics.json | tail -2)
+    "$PYTHON" -m pipec.cli compare "$work/long-lm-2gpu" "$work/long-lm-2gpu/metrics.json"
 fi
