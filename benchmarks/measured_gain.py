@@ -18,30 +18,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
+from commands import PIPEC, ROOT, TORCHRUN, run
 from tabulate import tabulate
 
-ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "samples" / "imbalanced.py"
 STRATEGIES = ("pipec", "uniform", "parameters")
 WARMUP_STEPS = 5
-PIPEC = [sys.executable, "-m", "pipec.cli"]
-TORCHRUN = Path(sys.executable).with_name("torchrun")
-
-
-def run(command: list[str], cwd: Path | None = None) -> str:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True,
-                            check=False)
-    if result.returncode:
-        raise SystemExit(f"{' '.join(command)} failed:\n{result.stdout}\n{result.stderr}")
-    return result.stdout
 
 
 def compile_all(work: Path, batch_size: int, micro_batch: int) -> dict[tuple[str, str], Path]:

@@ -21,16 +21,13 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from commands import PIPEC, ROOT, TORCHRUN, run
 from tabulate import tabulate
 
-ROOT = Path(__file__).resolve().parent.parent
-PIPEC = [sys.executable, "-m", "pipec.cli"]
-TORCHRUN = Path(sys.executable).with_name("torchrun")
 TARGET = 0.15
 MIB = 2**20
 
@@ -85,15 +82,6 @@ CASES = (
           "interleaved", "--virtual-stages", "2", "--optimizer", "adamw"),
          "8 stages on 4 devices, AdamW"),
 )
-
-
-def run(command: list[str], cwd: Path | None = None) -> str:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True,
-                            check=False)
-    if result.returncode:
-        raise SystemExit(f"{' '.join(command)} failed:\n{result.stdout}\n{result.stderr}")
-    return result.stdout
 
 
 def measure(case: Case, work: Path, steps: int) -> list[tuple[str, ...]]:
