@@ -202,3 +202,16 @@ def test_max_batch_equals_the_memory_terms_by_hand(schedule: str, expected: int)
     chosen = plan(_two_stages(), _request([_device(16 * MIB)] * 2, pp=2, schedule=schedule))
     assert chosen.max_batch_limit == 64 * 16
     assert chosen.max_batch[0] == MaxBatch("pipec", expected, False)
+
+
+@pytest.mark.parametrize(("device_mib", "expected", "capped"), [(24, 1338, False),
+                                                                  (64, 1536, True)])
+def test_max_batch_between_the_last_doubling_and_the_limit(device_mib: int, expected: int,
+                                                           capped: bool) -> None:
+    """--batch-size 24: the limit, 1,536, is 768 units of 2, not a power of two. On 24 MiB,
+    1F1B's stage 0 allows B ≤ (24 MiB − 3 MiB − 87 KiB) / 16 KiB = 1,338 (see above), between
+    the last doubling (1,024) and the limit; on 64 MiB the limit itself fits."""
+    chosen = plan(_two_stages(), _request([_device(device_mib * MIB)] * 2, global_batch=24,
+                                          pp=2))
+    assert chosen.max_batch_limit == 64 * 24
+    assert chosen.max_batch[0] == MaxBatch("pipec", expected, capped)

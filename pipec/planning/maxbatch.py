@@ -46,11 +46,14 @@ def _max_batch(costs: Costs, strategy: str, layouts: list[Layout], limit: int) -
             else costs.request.gpus)
     if not fits(unit):
         return MaxBatch(strategy, 0, False)
-    low, high = 1, 2  # in units
+    low, high = 1, 2  # in units; low fits, high does not (or lies past the limit)
     while high * unit <= limit and fits(high * unit):
         low, high = high, high * 2
     if high * unit > limit:
-        return MaxBatch(strategy, low * unit, low * unit * 2 > limit)
+        top = limit // unit
+        if fits(top * unit):
+            return MaxBatch(strategy, top * unit, True)  # memory does not bound it here
+        high = top
     while high - low > 1:
         middle = (low + high) // 2
         low, high = (middle, high) if fits(middle * unit) else (low, middle)
