@@ -14,6 +14,7 @@ from tabulate import tabulate
 
 from pipec import planner
 from pipec.driver import CompileOptions, analyze
+from pipec.errors import InfeasibleError
 from pipec.planner import Plan
 
 ZOO = Path(__file__).resolve().parent / "zoo"
@@ -75,13 +76,17 @@ def main() -> None:
         for model, gpus, nodes, hardware, batch in ENTRIES:
             plan, seconds = plan_entry(model, gpus, nodes, hardware, batch, "auto",
                                        Path(tmp) / "o")
-            gpipe, _ = plan_entry(model, gpus, nodes, hardware, batch, "gpipe", Path(tmp) / "g")
+            try:
+                gpipe_batch = max_batch(plan_entry(model, gpus, nodes, hardware, batch, "gpipe",
+                                                   Path(tmp) / "g")[0])
+            except InfeasibleError:
+                gpipe_batch = f"GPipe does not fit B {batch}"
             where = f"{gpus} × {hardware}" + (f" on {nodes} nodes" if nodes > 1 else "")
             virtual = f" v {plan.virtual_stages}" if plan.virtual_stages > 1 else ""
             rows.append((model.name, f"{where}, B {batch}",
                          f"{plan.pp}×{plan.dp} m {plan.micro_batch} {plan.schedule}{virtual}",
                          f"{plan.samples_per_s:,.1f}", best_baseline(plan),
-                         ratio(plan, "conventional"), max_batch(plan), max_batch(gpipe),
+                         ratio(plan, "conventional"), max_batch(plan), gpipe_batch,
                          f"{seconds:.1f}"))
     print(tabulate(rows, ("model", "devices", "pipec plan (pp×dp)", "samples/s",
                           "best baseline (pipec ÷)", "÷ conventional", "max batch",

@@ -9,6 +9,7 @@ free), so batch 1 does not lie on the line.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from typing import Any
@@ -27,12 +28,13 @@ from pipec.costgraph import (
     NodeCost,
     ValueSpec,
 )
-from pipec.errors import ModelFileError
 from pipec.liveness import legal_cuts, lifetimes, live_sets, live_values
 from pipec.loader import ModelSpec
 from pipec.measure import Measured, measure, nbytes, storage_id
 from pipec.tensors import flat_tensors
 from pipec.trace import Traced, batch_inputs
+
+log = logging.getLogger(__name__)
 
 # Re-exported: the pass's output types are imported from here by the passes after it.
 __all__ = ["COMPUTE_OPS", "MEASURED_BATCHES", "CostGraph", "Linear", "LossCost", "NodeCost",
@@ -68,6 +70,7 @@ def annotate(traced: Traced, spec: ModelSpec, autocast_device: str = "cuda") -> 
     outputs = [_model_output(gm, measured) for measured in (one, two)]
     return CostGraph(nodes=nodes, legal_cuts=legal, values=values,
                      live=tuple(tuple(names) for names in live),
+                     synthetic_data=not spec.has_train_dataset,
                      cut_bytes=tuple(_sum_linear(sizes[v] for v in names) for names in live),
                      held_cut_bytes=tuple(_sum_linear(sizes[v] for v in names if v in held)
                                           for names in live),
@@ -95,9 +98,10 @@ def _loss_cost(spec: ModelSpec, outputs: list[Any], targets: list[Any]) -> LossC
     try:
         at = [_loss_bytes(loss_fn, output, target)
               for output, target in zip(outputs, targets, strict=True)]
-    except Exception as exc:
-        raise ModelFileError(f"{spec.path}: loss_fn(output, targets) failed on the model's "
-                             f"output: {type(exc).__name__}: {exc}") from None
+    except Exception as exc:  # a loss meta tensors cannot run (.item(), data-dependent ops)
+        log.warning("%s: loss_fn could not run on meta tensors (%s: %s); its memory on the "
+                    "last stage is not planned", spec.path, type(exc).__name__, exc)
+        at = [(0, 0, nbytes(target)) for target in targets]
     saved, working, target_bytes = zip(*at, strict=True)
     return LossCost(_linear(*saved), _linear(*working), _linear(*target_bytes))
 

@@ -137,7 +137,7 @@ def _memory_finding(device: int, predicted: float, measured: float,
     measured is above) or counted twice (below)."""
     gap = measured - predicted
     line = (f"memory: device {device} peaked at {mib(measured)} MiB against "
-            f"{mib(predicted)} MiB predicted ({gap / predicted:+.0%})")
+            f"{mib(predicted)} MiB predicted ({gap / max(predicted, 1.0):+.0%})")
     sized = {t: v for t, v in terms.items() if v > 0}
     if not sized:
         return line

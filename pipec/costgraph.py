@@ -92,6 +92,9 @@ class CostGraph:
     cut_bytes_bf16: tuple[Linear, ...] = ()
     # The names of the values live across each cut, in graph order (what a boundary sends).
     live: tuple[tuple[str, ...], ...] = ()
+    # The training data is made by sample_batch() (the model file has no train_dataset()):
+    # each end stage makes the whole global batch, then keeps its replica's share.
+    synthetic_data: bool = True
 
     def value(self, name: str) -> ValueSpec:
         return next(v for v in self.values if v.name == name)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from pipec.annotate import CostGraph
+from pipec.costgraph import CostGraph
 from pipec.hardware import Device
 
 # Per fp32 parameter byte, what training keeps besides the weight itself: its gradient, the
@@ -213,9 +213,10 @@ class StageRole:
     num_stages: int
     micro_batches: int  # per step and replica: the runtime allocates buffers for each
     in_flight: int  # micro-batches whose activations it holds at once
-    # Data-parallel replicas: without train_dataset() each end stage makes the whole global
-    # batch with sample_batch() and keeps its replica's share.
-    replicas: int = 1
+    replicas: int = 1  # data-parallel replicas of the stage
+    # The end stages hold the step's whole global batch, inputs and targets: the data is made
+    # by sample_batch() in the process's own (host) memory, which is the device's on a CPU.
+    whole_batch: bool = False
 
     @property
     def first(self) -> bool:
@@ -231,7 +232,7 @@ def stage_memory(arrays: NodeArrays, start: int, end: int, role: StageRole) -> S
     ``PipelineStage`` allocates a receive buffer per micro-batch for its input and for its
     output's gradient and keeps them across steps, caches each micro-batch's outputs until its
     backward, and the schedule splits the step's whole batch into micro-batches up front."""
-    m, f, steps_batch = role.micro_batches, role.in_flight, role.micro_batches * role.replicas
+    m, f = role.micro_batches, role.in_flight
     received = 0.0 if role.first else m * arrays.boundary_bytes[start]
     gradients = 0.0 if role.last else m * arrays.boundary_bytes[end]
     return StageMemory(
@@ -239,8 +240,7 @@ def stage_memory(arrays: NodeArrays, start: int, end: int, role: StageRole) -> S
         activations=f * float(arrays.activation_bytes[start:end].sum()),
         held_outputs=f * float(arrays.held_bytes[end]),
         receive_buffers=float(received + gradients),
-        data=float((steps_batch * arrays.boundary_bytes[0] if role.first else 0.0)
-                   + (steps_batch * arrays.target_bytes if role.last else 0.0)),
+        data=sum(_data_bytes(arrays, role)),
         loss=f * arrays.loss_bytes if role.last else 0.0,
         working=float(arrays.working_bytes[start:end].max(initial=0.0)))
 
@@ -250,12 +250,24 @@ def ends_bytes(arrays: NodeArrays, role: StageRole) -> tuple[np.ndarray, np.ndar
     buffers; at cut 0, the step's inputs) and what a stage ending there holds for its output
     (gradient buffers and outputs kept for backward; the loss and targets on the last stage).
     With the span's own terms they add up to ``stage_memory(...).total``."""
-    m, f, steps_batch = role.micro_batches, role.in_flight, role.micro_batches * role.replicas
+    m, f = role.micro_batches, role.in_flight
+    at_start, at_end = _data_bytes(arrays, role)
     enter = m * arrays.boundary_bytes
-    enter[0] = steps_batch * arrays.boundary_bytes[0]  # the first stage: the step's inputs
-    leave = f * arrays.held_bytes + (f * arrays.loss_bytes + steps_batch * arrays.target_bytes
+    enter[0] = at_start  # only the first stage starts at cut 0
+    leave = f * arrays.held_bytes + (f * arrays.loss_bytes + at_end
                                      if role.last else m * arrays.boundary_bytes)
     return enter, leave
+
+
+def _data_bytes(arrays: NodeArrays, role: StageRole) -> tuple[float, float]:
+    """The step's data a stage holds, counted (at its start, at its end): the first stage its
+    replica's inputs, the last its targets; or, with the whole batch made on the device, both
+    in full on each end stage (once on a stage that is both)."""
+    m, inputs, targets = role.micro_batches, arrays.boundary_bytes[0], arrays.target_bytes
+    if role.whole_batch:
+        whole = float(m * role.replicas * (inputs + targets))
+        return (whole if role.first else 0.0, whole if role.last and not role.first else 0.0)
+    return (float(m * inputs) if role.first else 0.0, float(m * targets) if role.last else 0.0)
 
 
 def allreduce_s(grad_bytes: float, replicas: int, device: Device, inter_node: bool = False

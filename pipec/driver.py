@@ -65,8 +65,8 @@ def analyze(options: CompileOptions) -> Analyzed:
 
 def _device_type(devices: tuple[Device, ...]) -> str:
     """The device type the plan trains on, whose autocast rules set the boundary dtypes under
-    bf16: CPU for the `cpu` preset, CUDA for every other device."""
-    return "cpu" if all(d.name == "cpu" for d in devices) else "cuda"
+    bf16 (`Device.device_type`: CPU for the `cpu` preset, CUDA for the GPU presets)."""
+    return "cpu" if all(d.device_type == "cpu" for d in devices) else "cuda"
 
 
 def _bind_calibration(request: PlanRequest, graph: CostGraph) -> PlanRequest:

@@ -61,14 +61,14 @@ def emit(spec: ModelSpec, traced: Traced, plan: Plan, norms: NormPlan, staged: S
 def render(spec: ModelSpec, traced: Traced, plan: Plan, norms: NormPlan,
            staged: Staged) -> dict[str, bytes]:
     """Every output file's bytes, by name."""
-    context = _context(spec, traced, plan, norms)
+    plan_json = plan_dict(plan, norms, traced)
+    context = _context(spec, traced, plan, norms, plan_id(plan_json))
     return {
         "model.py": spec.source,
         "train.py": _render("train.py.j2", context),
         "stages.py": _render("stages.py.j2", {**context, **_stage_context(plan, norms, staged)}),
         "report.md": _render("report.md.j2", {**context, **_report_context(plan, norms)}),
-        "plan.json": (json.dumps(plan_dict(plan, norms, traced), indent=2, sort_keys=True)
-                      + "\n").encode(),
+        "plan.json": (json.dumps(plan_json, indent=2, sort_keys=True) + "\n").encode(),
         "timeline.svg": timeline_svg(plan.simulation, plan.pp, _timeline_title(plan)).encode(),
     }
 
@@ -82,7 +82,8 @@ def run_commands(plan: Plan) -> tuple[str, ...]:
             "--rdzv-endpoint HOST:PORT train.py --steps 100")
 
 
-def _context(spec: ModelSpec, traced: Traced, plan: Plan, norms: NormPlan) -> dict[str, Any]:
+def _context(spec: ModelSpec, traced: Traced, plan: Plan, norms: NormPlan,
+             identity: str) -> dict[str, Any]:
     request = plan.request
     return {
         "version": __version__, "model_file": spec.path.name, "pp": plan.pp, "dp": plan.dp,
@@ -99,7 +100,7 @@ def _context(spec: ModelSpec, traced: Traced, plan: Plan, norms: NormPlan) -> di
         "predicted_bubble": f"{plan.simulation.bubble:.1%}",
         "time_source": _time_source(request),
         "run_commands": run_commands(plan), "norm_choice": norms.choice,
-        "plan_id": plan_id(plan_dict(plan, norms, traced)),
+        "plan_id": identity,
     }
 
 

@@ -40,6 +40,9 @@ class Device:
     runtime_bytes: float = 0.0
     # Fraction of the rest lost to the allocator's fragmentation (reserved but not allocated).
     fragmentation: float = 0.0
+    # "cuda" or "cpu": the backend the emitted script runs on it (its autocast rules; whether
+    # data made on the host sits in the device's memory).
+    device_type: str = "cuda"
 
 
 def _gpu(name: str, fp32: float, bf16: float, bandwidth_gbs: float, memory_gib: float,
@@ -69,7 +72,7 @@ PRESETS: dict[str, Device] = {
     # the runtime allocates 0.9 MiB more while training.
     "cpu": Device("cpu", 0.05 * TFLOPS, 0.02 * TFLOPS, 10 * GB, 8 * GIB, 2 * GB, 1 * GB,
                   50e-6, 100e-6, kernel_overhead_s=20e-6, efficiency=1.0,
-                  process_bytes=356 * MIB, runtime_bytes=0.9 * MIB),
+                  process_bytes=356 * MIB, runtime_bytes=0.9 * MIB, device_type="cpu"),
 }
 
 DEFAULT = "a100-80g"
@@ -109,13 +112,18 @@ def _from_json(path: Path) -> Device:
     except (OSError, ValueError) as exc:
         raise ConfigError(f"hardware file {path}: {exc}") from None
     names = [f.name for f in fields(Device)]
-    optional = {f.name for f in fields(Device) if f.default is not MISSING}
+    optional = [f.name for f in fields(Device) if f.default is not MISSING]
     missing = [n for n in names if n not in data and n not in optional]
     if missing:
-        raise ConfigError(f"hardware file {path}: missing {', '.join(missing)}; "
-                          f"a device needs {', '.join(names)}")
+        raise ConfigError(f"hardware file {path}: missing {', '.join(missing)}; a device needs "
+                          f"{', '.join(n for n in names if n not in optional)} (optional: "
+                          f"{', '.join(optional)})")
+    device_type = str(data.get("device_type", "cuda"))
+    if device_type not in ("cuda", "cpu"):
+        raise ConfigError(f"hardware file {path}: device_type {device_type!r}; use cuda or cpu")
     try:
-        numbers = {n: float(data[n]) for n in names if n != "name" and n in data}
+        numbers = {n: float(data[n]) for n in names
+                   if n not in ("name", "device_type") and n in data}
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"hardware file {path}: {exc}") from None
-    return Device(name=str(data["name"]), **numbers)
+    return Device(name=str(data["name"]), device_type=device_type, **numbers)

@@ -23,7 +23,8 @@ from functools import cache
 import torch
 from torch import fx, nn
 
-_COMPUTE_OPS = ("call_module", "call_function", "call_method")  # as annotate's
+from pipec.costgraph import COMPUTE_OPS
+
 # Methods whose names end in "_" but that write no tensor data.
 _METADATA_METHODS = frozenset({"requires_grad_", "share_memory_"})
 # Indexing, attributes (x.T, x.mT, x.real), and conversions that return their very input when
@@ -112,7 +113,7 @@ def _aten_view(name: str) -> bool:
 
 
 def _first_argument(n: fx.Node) -> fx.Node | None:
-    if n.op not in _COMPUTE_OPS:
+    if n.op not in COMPUTE_OPS:
         return None
     first = n.args[0] if n.args else n.kwargs.get("input")
     return first if isinstance(first, fx.Node) else None

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pipec.annotate import CostGraph
+from pipec.costgraph import CostGraph
 from pipec.errors import ConfigError
 from pipec.planner import Plan
 from pipec.trace import Traced

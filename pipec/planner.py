@@ -82,14 +82,20 @@ def _check(request: PlanRequest) -> None:
 
 
 def _infeasible(costs: Costs, layout: Layout) -> InfeasibleError:
-    """The error when no point fits: what the leanest setting (micro-batch 1) needs."""
+    """The error when no point fits: what the leanest setting the request allows needs
+    (micro-batch 1 unless fixed; 1F1B unless GPipe is asked for or the only one that runs)."""
     request = costs.request
-    schedule = "gpipe" if request.global_batch // layout.dp < layout.pp else "1f1b"
-    e = unlimited(costs, Point(layout, 1, schedule), "time")
+    micro_batch = request.micro_batch or 1
+    gpipe = (request.schedule == "gpipe"
+             or request.global_batch // (layout.dp * micro_batch) < layout.pp)
+    schedule = "gpipe" if gpipe else "1f1b"
+    e = unlimited(costs, Point(layout, micro_batch, schedule), "time")
+    hint = ", --schedule 1f1b" if request.schedule == "gpipe" else ""
     return InfeasibleError(
-        f"the model needs {gib(max(e.memory))} on its fullest device even at micro-batch 1, "
-        f"have {gib(min(e.stage_costs.capacity))} usable on {request.hardware}; try more "
-        "--gpus, a device with more memory (--hardware) or --optimizer sgd")
+        f"no split fits: even at micro-batch {micro_batch} under {schedule} the time-balanced "
+        f"split needs {gib(max(e.memory))} on its fullest device, have "
+        f"{gib(min(e.stage_costs.capacity))} usable on {request.hardware}; try more --gpus, a "
+        f"device with more memory (--hardware){hint} or --optimizer sgd")
 
 
 def _stage_plans(costs: Costs, e: Evaluated) -> tuple[StagePlan, ...]:
@@ -111,7 +117,8 @@ def _stage_plan(costs: Costs, e: Evaluated, k: int, a: int, b: int) -> StagePlan
         memory_bytes=e.stage_memory[k].total,
         time_s=compute + float(sc.cut_s[k, b]),
         compute_s=compute,
-        boundary_bytes=0.0 if b == len(costs.graph.nodes) else costs.graph.cut_bytes[b].at(m),
+        boundary_bytes=(0.0 if b == len(costs.graph.nodes) else
+                        costs.graph.cut_bytes_at(costs.request.training.precision)[b].at(m)),
         device=k % e.layout.pp,
         fwd_s=fwd,
         bwd_s=bwd,

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipec.annotate import CostGraph
+from pipec.costgraph import CostGraph
 from pipec.costmodel import (
     NodeArrays,
     boundary_s,

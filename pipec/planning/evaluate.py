@@ -47,7 +47,10 @@ def partition(costs: Costs, point: Point, balance: Balance,
     layout = point.layout
     micro_batches = (batch or costs.request.global_batch) // (layout.dp * point.micro_batch)
     flights = in_flight(point.schedule, layout.pp, micro_batches, layout.virtual)
-    roles = tuple(StageRole(k, layout.stages, micro_batches, f, layout.dp)
+    # Synthetic data is made whole in the process's memory: the device's own on a CPU.
+    whole_batch = costs.graph.synthetic_data and all(
+        d.device_type == "cpu" for d in costs.request.devices)
+    roles = tuple(StageRole(k, layout.stages, micro_batches, f, layout.dp, whole_batch)
                   for k, f in enumerate(flights))
     bounds = boundaries(costs, point, roles, balance)
     if bounds is None:

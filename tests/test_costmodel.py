@@ -1,0 +1,59 @@
+"""The memory terms: the DP's view of a stage (its span plus what its ends hold) is exactly
+costmodel.stage_memory, term for term summed, for any stage of any pipeline."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipec.costmodel import NodeArrays, StageRole, ends_bytes, stage_memory
+from pipec.partition import make_problem
+from pipec.partition import stage_memory as dp_stage_memory
+
+
+@st.composite
+def stages(draw: st.DrawFn) -> tuple[NodeArrays, int, int, StageRole]:
+    n = draw(st.integers(3, 8))
+    values = st.floats(0.0, 1e6, allow_nan=False)
+
+    def array(length: int) -> np.ndarray:
+        return np.array(draw(st.lists(values, min_size=length, max_size=length)))
+
+    boundary = array(n + 1)
+    cut = boundary.copy()
+    cut[0] = cut[-1] = 0.0
+    arrays = NodeArrays(array(n), array(n), array(n), array(n), cut, boundary, array(n + 1),
+                        array(n), draw(values), draw(values))
+    num_stages = draw(st.integers(1, 4))
+    index = draw(st.integers(0, num_stages - 1))
+    # Where the stage can sit: only the first starts at cut 0, only the last ends at n.
+    last = index == num_stages - 1
+    start = 0 if index == 0 else draw(st.integers(1, n - 1 if last else n - 2))
+    end = n if last else draw(st.integers(start + 1, n - 1))
+    role = StageRole(index, num_stages, draw(st.integers(1, 64)), draw(st.integers(1, 8)),
+                     draw(st.integers(1, 4)), draw(st.booleans()))
+    return arrays, start, end, role
+
+
+@settings(max_examples=300, deadline=None)
+@given(stages())
+def test_the_dp_counts_exactly_the_stage_memory_terms(case: tuple) -> None:
+    arrays, start, end, role = case
+    enter, leave = ends_bytes(arrays, role)
+    problem = make_problem(arrays.fwd_s, arrays.static_bytes, arrays.activation_bytes,
+                           arrays.cut_bytes, np.ones(len(arrays.fwd_s) + 1, bool),
+                           (float("inf"),), (role.in_flight,), enter, leave,
+                           arrays.working_bytes)
+    expected = stage_memory(arrays, start, end, role).total
+    assert abs(dp_stage_memory(problem, 0, start, end) - expected) <= 1e-9 * max(1.0, expected)
+
+
+def test_whole_batch_data_is_counted_once_on_a_single_stage() -> None:
+    n = 2
+    arrays = NodeArrays(*(np.zeros(n),) * 4, np.zeros(n + 1), np.array([100.0, 0.0, 0.0]),
+                        np.zeros(n + 1), np.zeros(n), 0.0, 10.0)
+    one = stage_memory(arrays, 0, n, StageRole(0, 1, 4, 4, replicas=2, whole_batch=True))
+    assert one.data == 4 * 2 * (100 + 10)  # the global batch's inputs and targets, once
+    share = stage_memory(arrays, 0, n, StageRole(0, 1, 4, 4, replicas=2))
+    assert share.data == 4 * (100 + 10)  # the replica's share
