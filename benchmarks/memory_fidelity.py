@@ -114,7 +114,8 @@ def check_max_batch(work: Path, device_mib: int, steps: int) -> None:
         "memory_bandwidth": 1e10, "memory_bytes": device_mib * MIB,
         "intra_node_bandwidth": 2e9, "inter_node_bandwidth": 1e9,
         "intra_node_latency_s": 5e-5, "inter_node_latency_s": 1e-4,
-        "kernel_overhead_s": 2e-5, "efficiency": 1.0, "runtime_bytes": 0.9 * MIB}))
+        "kernel_overhead_s": 2e-5, "efficiency": 1.0, "runtime_bytes": 0.9 * MIB,
+        "process_bytes": 0, "device_type": "cpu"}))
     fixed = ["--gpus", "2", "--pp", "2", "--schedule", "1f1b", "--hardware", str(device)]
     run([*PIPEC, "compile", model, *fixed, "--batch-size", "2", "-o", str(work / "search")])
     largest = json.loads((work / "search" / "plan.json").read_text())["max_batch"]["pipec"]
