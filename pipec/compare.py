@@ -141,12 +141,16 @@ def _memory_finding(device: int, predicted: float, measured: float,
     sized = {t: v for t, v in terms.items() if v > 0}
     if not sized:
         return line
+    listed = "; terms: " + ", ".join(f"{t} {mib(v)}" for t, v in sorted(
+        sized.items(), key=lambda tv: -tv[1]))
+    if gap > max(sized.values()):
+        return (f"{line}; the gap, {mib(gap)} MiB, is larger than any predicted term: memory "
+                "the model does not count (on a CPU, glibc's heap under many small tensors; "
+                "see docs/cost-model.md)" + listed)
     term = min(sized, key=lambda t: abs(sized[t] - abs(gap)))
     direction = "missing or undercounted" if gap > 0 else "overcounted"
     return (f"{line}; the gap, {mib(abs(gap))} MiB, is nearest the '{term}' term "
-            f"({mib(sized[term])} MiB): likely {direction}; terms: "
-            + ", ".join(f"{t} {mib(v)}" for t, v in sorted(sized.items(),
-                                                                key=lambda tv: -tv[1])))
+            f"({mib(sized[term])} MiB): likely {direction}" + listed)
 
 
 def _speed_advice(c: Comparison) -> str:

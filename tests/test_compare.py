@@ -79,6 +79,8 @@ def test_findings_name_the_assumption_that_is_off() -> None:
     assert "missing or undercounted" in above
     below = findings(_comparison((1.0, 1.0), memory=82.0))[0]
     assert "nearest the 'receive_buffers' term" in below and "overcounted" in below
+    beyond = findings(_comparison((1.0, 1.0), memory=170.0))[0]  # 70 above; the largest is 60
+    assert "larger than any predicted term" in beyond and "nearest" not in beyond
     assert "n/a" in render(_comparison((1.0, 1.0)))
 
 
