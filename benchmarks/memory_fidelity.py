@@ -22,11 +22,13 @@ import json
 import os
 import subprocess
 import tempfile
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from commands import PIPEC, ROOT, TORCHRUN, run
 from tabulate import tabulate
+
+from pipec.hardware import PRESETS
 
 TARGET = 0.15
 MIB = 2**20
@@ -109,13 +111,9 @@ def check_max_batch(work: Path, device_mib: int, steps: int) -> None:
     """Compile at the reported maximum batch and run it; the next batch must be refused."""
     model = str(ROOT / "benchmarks/models/long_lm.py")
     device = work / "device.json"
-    device.write_text(json.dumps({
-        "name": f"cpu-{device_mib}m", "fp32_flops": 5e10, "bf16_flops": 2e10,
-        "memory_bandwidth": 1e10, "memory_bytes": device_mib * MIB,
-        "intra_node_bandwidth": 2e9, "inter_node_bandwidth": 1e9,
-        "intra_node_latency_s": 5e-5, "inter_node_latency_s": 1e-4,
-        "kernel_overhead_s": 2e-5, "efficiency": 1.0, "runtime_bytes": 0.9 * MIB,
-        "process_bytes": 0, "device_type": "cpu"}))
+    # The cpu preset, with a smaller memory: what the runtime holds stays as measured here.
+    device.write_text(json.dumps({**asdict(PRESETS["cpu"]), "name": f"cpu-{device_mib}m",
+                                  "memory_bytes": device_mib * MIB, "process_bytes": 0}))
     fixed = ["--gpus", "2", "--pp", "2", "--schedule", "1f1b", "--hardware", str(device)]
     run([*PIPEC, "compile", model, *fixed, "--batch-size", "2", "-o", str(work / "search")])
     largest = json.loads((work / "search" / "plan.json").read_text())["max_batch"]["pipec"]

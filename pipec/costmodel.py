@@ -103,12 +103,18 @@ class NodeArrays:
     bwd_s: np.ndarray
     static_bytes: np.ndarray  # params + grads + optimizer state + buffers
     activation_bytes: np.ndarray  # saved for backward, per micro-batch in flight
-    cut_bytes: np.ndarray  # length n + 1: bytes sent across each cut (0 at the graph's ends)
     boundary_bytes: np.ndarray  # length n + 1: bytes live across each cut, the ends included
     held_bytes: np.ndarray  # length n + 1: of those, what no node saves for backward
     working_bytes: np.ndarray  # per node, alive during its backward; the loss's on the last
     loss_bytes: float  # saved by loss_fn, per micro-batch in flight
     target_bytes: float  # one micro-batch's targets
+
+    @property
+    def cut_bytes(self) -> np.ndarray:
+        """Bytes sent across each cut: the graph's ends (its inputs and outputs) send nothing."""
+        sent = self.boundary_bytes.copy()
+        sent[0] = sent[-1] = 0.0
+        return sent
 
 
 def node_arrays(graph: CostGraph, device: Device, micro_batch: int, training: Training,
@@ -132,13 +138,11 @@ def node_arrays(graph: CostGraph, device: Device, micro_batch: int, training: Tr
               + np.array([n.buffer_bytes for n in graph.nodes], dtype=float))
     # Each boundary value in its own dtype under autocast (an fp32 residual stream stays fp32).
     boundary = np.array([c.at(micro_batch) for c in graph.cut_bytes_at(training.precision)])
-    cut_bytes = boundary.copy()
-    cut_bytes[0] = cut_bytes[-1] = 0.0  # the graph's ends send nothing
     held = np.array([c.at(micro_batch) for c in graph.held_cut_bytes]) * ratio
     working = np.array([n.working_bytes.at(micro_batch) for n in graph.nodes]) * ratio
     # The loss runs after the last node, on the last stage, which always holds that node.
     working[-1] = max(working[-1], graph.loss.working_bytes.at(micro_batch) * ratio)
-    return NodeArrays(fwd, bwd, static, saved_bytes, cut_bytes, boundary, held, working,
+    return NodeArrays(fwd, bwd, static, saved_bytes, boundary, held, working,
                       graph.loss.saved_bytes.at(micro_batch) * ratio,
                       graph.loss.target_bytes.at(micro_batch))
 

@@ -20,10 +20,7 @@ def stages(draw: st.DrawFn) -> tuple[NodeArrays, int, int, StageRole]:
     def array(length: int) -> np.ndarray:
         return np.array(draw(st.lists(values, min_size=length, max_size=length)))
 
-    boundary = array(n + 1)
-    cut = boundary.copy()
-    cut[0] = cut[-1] = 0.0
-    arrays = NodeArrays(array(n), array(n), array(n), array(n), cut, boundary, array(n + 1),
+    arrays = NodeArrays(array(n), array(n), array(n), array(n), array(n + 1), array(n + 1),
                         array(n), draw(values), draw(values))
     num_stages = draw(st.integers(1, 4))
     index = draw(st.integers(0, num_stages - 1))
@@ -51,8 +48,8 @@ def test_the_dp_counts_exactly_the_stage_memory_terms(case: tuple) -> None:
 
 def test_whole_batch_data_is_counted_once_on_a_single_stage() -> None:
     n = 2
-    arrays = NodeArrays(*(np.zeros(n),) * 4, np.zeros(n + 1), np.array([100.0, 0.0, 0.0]),
-                        np.zeros(n + 1), np.zeros(n), 0.0, 10.0)
+    arrays = NodeArrays(*(np.zeros(n),) * 4, np.array([100.0, 0.0, 0.0]), np.zeros(n + 1),
+                        np.zeros(n), 0.0, 10.0)
     one = stage_memory(arrays, 0, n, StageRole(0, 1, 4, 4, replicas=2, whole_batch=True))
     assert one.data == 4 * 2 * (100 + 10)  # the global batch's inputs and targets, once
     share = stage_memory(arrays, 0, n, StageRole(0, 1, 4, 4, replicas=2))
