@@ -10,7 +10,10 @@
 # calibration measured on the device itself (pipec profile --device cuda). With two or more GPUs it
 # also runs a 2-stage pipeline over NCCL with torchrun. The long-sequence LM
 # (benchmarks/models/long_lm.py) checks the memory model where it matters: logits, loss and
-# receive buffers. ALLOW_CPU=1 HARDWARE=cpu runs the same steps without a GPU (gloo; memory as
+# receive buffers, in fp32 and bf16; then its largest micro-batch on a 4 GiB device of the same
+# kind is run (benchmarks/memory_fidelity.py --largest-micro-batch), and the memory each process
+# holds before its model (CUDA context, NCCL communicator) is measured. ALLOW_CPU=1
+# HARDWARE=cpu runs the same steps without a GPU (gloo; memory as
 # the CPU measures it), to check the script itself.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -59,6 +62,25 @@ check resnet-1gpu samples/resnet.py 64 --gpus 1
 run_one resnet-1gpu
 check long-lm-1gpu benchmarks/models/long_lm.py 16 --gpus 1 --micro-batch 2
 run_one long-lm-1gpu
+check long-lm-1gpu-bf16 benchmarks/models/long_lm.py 16 --gpus 1 --micro-batch 2 --precision bf16
+run_one long-lm-1gpu-bf16
+"$PYTHON" benchmarks/memory_fidelity.py --only --largest-micro-batch --hardware "$HARDWARE" \
+    --device-mib "${DEVICE_MIB:-4096}" --steps 3
+if [ "$gpus" -ge 1 ]; then  # what a process holds beyond its tensors: the hardware's process_bytes
+    MASTER_ADDR=127.0.0.1 MASTER_PORT=29533 "$PYTHON" - <<'PROBE'
+import torch
+import torch.distributed as dist
+def used():
+    free, total = torch.cuda.mem_get_info()
+    return (total - free - torch.cuda.memory_reserved()) / 2**20
+torch.cuda.init(); torch.zeros(1, device="cuda")
+print(f"process memory: CUDA context {used():.0f} MiB", end="")
+dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+dist.all_reduce(torch.ones(1, device="cuda")); torch.cuda.synchronize()
+print(f", with an NCCL communicator {used():.0f} MiB (not counting PyTorch's allocator)")
+dist.destroy_process_group()
+PROBE
+fi
 # The same GPT plan with compute times measured on this device (pipec profile) instead of the
 # preset's roofline.
 device=$([ "$gpus" -ge 1 ] && echo cuda || echo cpu)

@@ -12,7 +12,10 @@ the OS (see docs/runtime.md). The target is every device within ±15 %.
 `--check` exits 1 when a device misses the target. `--max-batch` also checks one predicted
 maximum batch for real: the long-sequence LM on 2 pipeline devices (1F1B) of a
 `--device-mib`-sized device; the largest batch pipec reports is run, its measured peak must stay
-within the device, and the next batch must be refused.
+within the device, and the next batch must be refused. `--largest-micro-batch` does the same on
+one device of `--hardware` (a GPU preset on a GPU machine, the check of benchmarks/gpu_check.sh):
+the largest micro-batch of the long-sequence LM that pipec accepts on a `--device-mib` device
+is run, and one more sample must be refused.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import argparse
 import json
 import os
 import subprocess
+import sys
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -140,6 +144,46 @@ def check_max_batch(work: Path, device_mib: int, steps: int) -> None:
           f"({refused.stderr.strip().splitlines()[-1] if refused.stderr.strip() else 'ok'})")
 
 
+def check_largest_micro_batch(work: Path, hardware: str, device_mib: int, steps: int) -> None:
+    """One device of ``hardware`` with ``device_mib`` of memory: the largest micro-batch pipec
+    accepts (one micro-batch per step) is run; the next must be refused."""
+    device = work / "device.json"
+    device.write_text(json.dumps({**asdict(PRESETS[hardware]), "name": f"{hardware}-{device_mib}m",
+                                  "memory_bytes": device_mib * MIB}))
+    model = str(ROOT / "benchmarks/models/long_lm.py")
+
+    def compile_at(micro_batch: int) -> bool:
+        out = work / f"mb{micro_batch}"
+        result = subprocess.run([*PIPEC, "compile", model, "--gpus", "1", "--hardware",
+                                 str(device), "--batch-size", str(micro_batch), "--micro-batch",
+                                 str(micro_batch), "-o", str(out)],
+                                capture_output=True, text=True, check=False)
+        return result.returncode == 0
+
+    low, high = 0, 1  # low fits (0: nothing yet), high is the next to try
+    while compile_at(high):
+        low, high = high, high * 2
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if compile_at(middle) else (low, middle)
+    if low == 0:
+        raise SystemExit(f"not even one sample fits a {device_mib} MiB {hardware}")
+    out = work / f"mb{low}"
+    run([sys.executable, "train.py", "--steps", str(steps), "--metrics", "metrics.json"],
+        cwd=out)
+    plan = json.loads((out / "plan.json").read_text())
+    rank = json.loads((out / "metrics.json").read_text())["ranks"][0]
+    predicted, measured = plan["predicted"]["peak_memory_bytes"][0], rank["peak_memory_bytes"]
+    print(f"\nlargest micro-batch on one {device_mib} MiB {hardware} (long-lm): pipec accepts "
+          f"{low}, refuses {low + 1}; run at {low}: predicted {predicted / MIB:.1f} MiB, "
+          f"measured {measured / MIB:.1f} MiB ({measured / predicted - 1:+.1%}; "
+          f"{rank.get('memory_measure')})"
+          + (f", reserved {rank['peak_reserved_bytes'] / MIB:.1f} MiB"
+             if "peak_reserved_bytes" in rank else ""))
+    terms = plan["predicted"]["memory_terms"][0]
+    print("  predicted terms (MiB): " + ", ".join(f"{t} {v / MIB:.1f}" for t, v in terms.items()))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3)
@@ -148,6 +192,9 @@ def main() -> None:
     parser.add_argument("--max-batch", action="store_true",
                         help="also run one predicted maximum batch for real")
     parser.add_argument("--device-mib", type=int, default=192)
+    parser.add_argument("--largest-micro-batch", action="store_true",
+                        help="run the largest micro-batch accepted on one --hardware device")
+    parser.add_argument("--hardware", default="cpu", choices=sorted(PRESETS))
     args = parser.parse_args()
     cases = [c for c in CASES if args.only is None or c.name in args.only]
     rows: list[tuple[str, ...]] = []
@@ -160,6 +207,9 @@ def main() -> None:
     if args.max_batch:
         with tempfile.TemporaryDirectory() as tmp:
             check_max_batch(Path(tmp), args.device_mib, args.steps)
+    if args.largest_micro_batch:
+        with tempfile.TemporaryDirectory() as tmp:
+            check_largest_micro_batch(Path(tmp), args.hardware, args.device_mib, args.steps)
 
 
 def summarize(rows: list[tuple[str, ...]], cases: int, check: bool) -> None:

@@ -18,10 +18,11 @@ import torch
 from torch import fx, nn
 from torch.nn import functional as F
 
-from pipec.autocast import autocast_dtypes
+from pipec.autocast import AutocastRun, run_under_autocast
 from pipec.costgraph import (
     COMPUTE_OPS,
     MEASURED_BATCHES,
+    Bf16Costs,
     CostGraph,
     Linear,
     LossCost,
@@ -62,28 +63,52 @@ def annotate(traced: Traced, spec: ModelSpec, autocast_device: str = "cuda") -> 
     live = live_sets(made_and_used, len(compute))
     held = [v for v in sizes if not one[v].saved_output]
     legal = legal_cuts(compute, made_and_used, nodes)
-    autocast = autocast_dtypes(gm, batches[0][0], autocast_device)
+    autocast = run_under_autocast(gm, batches, autocast_device, _loss_fn(spec))
     values = tuple(_value_spec(n.name, one[n.name].value, two[n.name].value,
-                               autocast.get(n.name, ""))
+                               autocast.dtypes.get(n.name, ""))
                    for n in gm.graph.nodes if n.name in made_and_used
                    and isinstance(one[n.name].value, torch.Tensor))
+    ratios = _value_ratios(values)
+    nodes = tuple(replace(c, bf16=_bf16_costs(n, c, autocast, ratios, sizes))
+                  for n, c in zip(compute, nodes, strict=True))
     outputs = [_model_output(gm, measured) for measured in (one, two)]
+    loss = _loss_cost(spec, outputs, [targets for _, targets in batches])
     return CostGraph(nodes=nodes, legal_cuts=legal, values=values,
                      live=tuple(tuple(names) for names in live),
                      synthetic_data=not spec.has_train_dataset,
                      cut_bytes=tuple(_sum_linear(sizes[v] for v in names) for names in live),
                      held_cut_bytes=tuple(_sum_linear(sizes[v] for v in names if v in held)
                                           for names in live),
-                     loss=_loss_cost(spec, outputs, [targets for _, targets in batches]),
-                     cut_bytes_bf16=_autocast_cut_bytes(values, sizes, live))
+                     loss=replace(loss, saved_bytes_bf16=_linear(*autocast.loss_saved)
+                                  if autocast.loss_saved else loss.saved_bytes),
+                     cut_bytes_bf16=_autocast_cut_bytes(ratios, sizes, live),
+                     held_cut_bytes_bf16=_autocast_cut_bytes(
+                         ratios, sizes, [[v for v in names if v in held] for names in live]))
 
-def _autocast_cut_bytes(values: Sequence[ValueSpec], sizes: dict[str, Linear],
-                        live: list[list[str]]) -> tuple[Linear, ...]:
+def _value_ratios(values: Sequence[ValueSpec]) -> dict[str, float]:
+    """Each value's bytes under bf16 autocast ÷ in fp32 (same shape, its autocast dtype)."""
+    return {v.name: _itemsize(v.autocast_dtype) / _itemsize(v.dtype) for v in values}
+
+def _autocast_cut_bytes(ratios: dict[str, float], sizes: dict[str, Linear],
+                        live: Sequence[Sequence[str]]) -> tuple[Linear, ...]:
     """Each cut's bytes with its tensors in their dtypes under autocast (same shapes)."""
-    ratio = {v.name: _itemsize(v.autocast_dtype) / _itemsize(v.dtype) for v in values}
-    return tuple(_sum_linear(Linear(sizes[v].fixed * ratio.get(v, 1.0),
-                                    sizes[v].per_sample * ratio.get(v, 1.0)) for v in names)
+    return tuple(_sum_linear(Linear(sizes[v].fixed * ratios.get(v, 1.0),
+                                    sizes[v].per_sample * ratios.get(v, 1.0)) for v in names)
                  for names in live)
+
+def _bf16_costs(n: fx.Node, cost: NodeCost, autocast: AutocastRun,
+                ratios: dict[str, float], sizes: dict[str, Linear]) -> Bf16Costs:
+    """A node's saved bytes as the autocast run measured them (its fp32 bytes when it could
+    not run); its output and its backward's working set (its output's and inputs' gradients)
+    in their autocast dtypes."""
+    high = MEASURED_BATCHES[1]
+    names = [v for v in (n.name, *(a.name for a in n.all_input_nodes)) if v in sizes]
+    fp32 = sum(sizes[v].at(high) for v in names)
+    bf16 = sum(sizes[v].at(high) * ratios.get(v, 1.0) for v in names)
+    saved = (_linear(*(at.get(n.name, 0) for at in autocast.saved)) if autocast.saved
+             else cost.saved_bytes)
+    return Bf16Costs(saved_bytes=saved, output_ratio=ratios.get(n.name, 1.0),
+                     working_ratio=bf16 / fp32 if fp32 else 1.0)
 
 def _itemsize(dtype: str) -> int:
     return int(getattr(torch, dtype).itemsize)
@@ -94,7 +119,7 @@ def _model_output(gm: fx.GraphModule, measured: dict[str, Measured]) -> Any:
 
 def _loss_cost(spec: ModelSpec, outputs: list[Any], targets: list[Any]) -> LossCost:
     """``loss_fn`` at each of MEASURED_BATCHES (saved, working and target bytes)."""
-    loss_fn = getattr(spec.module, "loss_fn", F.cross_entropy)
+    loss_fn = _loss_fn(spec)
     try:
         at = [_loss_bytes(loss_fn, output, target)
               for output, target in zip(outputs, targets, strict=True)]
@@ -104,6 +129,9 @@ def _loss_cost(spec: ModelSpec, outputs: list[Any], targets: list[Any]) -> LossC
         at = [(0, 0, nbytes(target)) for target in targets]
     saved, working, target_bytes = zip(*at, strict=True)
     return LossCost(_linear(*saved), _linear(*working), _linear(*target_bytes))
+
+def _loss_fn(spec: ModelSpec) -> Any:
+    return getattr(spec.module, "loss_fn", F.cross_entropy)
 
 def _loss_bytes(loss_fn: Any, output: Any, target: Any) -> tuple[int, int, int]:
     """Run ``loss_fn`` on meta copies of the model's output (autograd leaves, as the last

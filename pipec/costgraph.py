@@ -20,6 +20,18 @@ class Linear:
         return self.fixed + self.per_sample * micro_batch
 
 @dataclass(frozen=True)
+class Bf16Costs:
+    """A node's bytes under bf16 autocast, measured by pipec.autocast: what it saves (a Linear
+    saves a bf16 copy of its fp32 input, a LayerNorm its fp32 input), and its output and
+    backward working set as fractions of their fp32 bytes. The defaults, half of the fp32
+    bytes, stand for a graph that was not measured under autocast."""
+
+    saved_bytes: Linear | None = None
+    output_ratio: float = 0.5
+    working_ratio: float = 0.5
+
+
+@dataclass(frozen=True)
 class NodeCost:
     """What one compute node of the graph costs (one micro-batch of size m)."""
 
@@ -41,6 +53,7 @@ class NodeCost:
     shared_bytes: int = 0
     # Alive while the node's backward runs: the gradient of its output and those of its inputs.
     working_bytes: Linear = Linear(0.0, 0.0)
+    bf16: Bf16Costs = Bf16Costs()  # under --precision bf16
 
 @dataclass(frozen=True)
 class LossCost:
@@ -49,6 +62,7 @@ class LossCost:
     saved_bytes: Linear  # kept for backward besides its inputs (cross-entropy: log-softmax)
     working_bytes: Linear  # alive in its backward: gradients of the output and of saved values
     target_bytes: Linear  # the targets the last stage receives for a micro-batch
+    saved_bytes_bf16: Linear | None = None  # under bf16 autocast (None: half of saved_bytes)
 
 @dataclass(frozen=True)
 class ValueSpec:
@@ -88,8 +102,10 @@ class CostGraph:
     # anyway until their backward (torch.distributed.pipelining caches a stage's outputs).
     held_cut_bytes: tuple[Linear, ...] = ()
     loss: LossCost = LossCost(Linear(0.0, 0.0), Linear(0.0, 0.0), Linear(0.0, 0.0))
-    # cut_bytes with each value in its dtype under bf16 autocast (ValueSpec.autocast_dtype).
+    # cut_bytes and held_cut_bytes with each value in its dtype under bf16 autocast
+    # (ValueSpec.autocast_dtype).
     cut_bytes_bf16: tuple[Linear, ...] = ()
+    held_cut_bytes_bf16: tuple[Linear, ...] = ()
     # The names of the values live across each cut, in graph order (what a boundary sends).
     live: tuple[tuple[str, ...], ...] = ()
     # The training data is made by sample_batch() (the model file has no train_dataset()):
@@ -103,6 +119,11 @@ class CostGraph:
         """The bytes crossing each cut when training at ``precision`` ("fp32" or "bf16")."""
         bf16 = precision == "bf16" and self.cut_bytes_bf16
         return self.cut_bytes_bf16 if bf16 else self.cut_bytes
+
+    def held_cut_bytes_at(self, precision: str) -> tuple[Linear, ...]:
+        """Of those, the bytes a sending stage holds until their backward."""
+        bf16 = precision == "bf16" and self.held_cut_bytes_bf16
+        return self.held_cut_bytes_bf16 if bf16 else self.held_cut_bytes
 
     @property
     def total_params(self) -> int:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from pipec.costgraph import CostGraph
+from pipec.costgraph import CostGraph, LossCost, NodeCost
 from pipec.hardware import Device
 
 # Per fp32 parameter byte, what training keeps besides the weight itself: its gradient, the
@@ -22,8 +22,6 @@ from pipec.hardware import Device
 GRADIENT_RATIO = 1.0
 OPTIMIZER_STATE_RATIO = {"sgd": 1.0, "adamw": 2.0}
 AUTOCAST_COPY_RATIO = {"fp32": 0.0, "bf16": 0.5}
-# Activations are saved at this fraction of their fp32 size (bf16 autocast halves them).
-ACTIVATION_RATIO = {"fp32": 1.0, "bf16": 0.5}
 
 
 @dataclass(frozen=True)
@@ -121,11 +119,12 @@ def node_arrays(graph: CostGraph, device: Device, micro_batch: int, training: Tr
                 calibration: Calibration | None = None) -> NodeArrays:
     flops_rate = device.efficiency * (device.bf16_flops if training.precision == "bf16"
                                       else device.fp32_flops)
-    ratio = ACTIVATION_RATIO[training.precision]
+    bf16 = training.precision == "bf16"
     fwd_flops = np.array([n.fwd_flops.at(micro_batch) for n in graph.nodes])
     bwd_flops = np.array([n.bwd_flops.at(micro_batch) for n in graph.nodes])
-    out_bytes = np.array([n.output_bytes.at(micro_batch) for n in graph.nodes]) * ratio
-    saved_bytes = np.array([n.saved_bytes.at(micro_batch) for n in graph.nodes]) * ratio
+    out_bytes = np.array([n.output_bytes.at(micro_batch) * (n.bf16.output_ratio if bf16 else 1)
+                          for n in graph.nodes])
+    saved_bytes = np.array([_saved_bytes(n, micro_batch, bf16) for n in graph.nodes])
     param_bytes = np.array([n.param_bytes for n in graph.nodes], dtype=float)
     moved = out_bytes + param_bytes
     overhead = device.kernel_overhead_s
@@ -138,13 +137,31 @@ def node_arrays(graph: CostGraph, device: Device, micro_batch: int, training: Tr
               + np.array([n.buffer_bytes for n in graph.nodes], dtype=float))
     # Each boundary value in its own dtype under autocast (an fp32 residual stream stays fp32).
     boundary = np.array([c.at(micro_batch) for c in graph.cut_bytes_at(training.precision)])
-    held = np.array([c.at(micro_batch) for c in graph.held_cut_bytes]) * ratio
-    working = np.array([n.working_bytes.at(micro_batch) for n in graph.nodes]) * ratio
-    # The loss runs after the last node, on the last stage, which always holds that node.
-    working[-1] = max(working[-1], graph.loss.working_bytes.at(micro_batch) * ratio)
-    return NodeArrays(fwd, bwd, static, saved_bytes, boundary, held, working,
-                      graph.loss.saved_bytes.at(micro_batch) * ratio,
+    held = np.array([c.at(micro_batch) for c in graph.held_cut_bytes_at(training.precision)])
+    working = np.array([n.working_bytes.at(micro_batch) * (n.bf16.working_ratio if bf16 else 1)
+                        for n in graph.nodes])
+    # The loss runs after the last node, on the last stage, which always holds that node: it
+    # saves its own bytes (cross-entropy's log-softmax: fp32 under autocast) and its backward
+    # also holds the output's gradient, in the output's dtype.
+    loss_saved = _loss_saved_bytes(graph.loss, micro_batch, bf16)
+    output_grad = graph.loss.working_bytes.at(micro_batch) - graph.loss.saved_bytes.at(micro_batch)
+    output_ratio = graph.nodes[-1].bf16.output_ratio if bf16 else 1.0
+    working[-1] = max(working[-1], loss_saved + output_grad * output_ratio)
+    return NodeArrays(fwd, bwd, static, saved_bytes, boundary, held, working, loss_saved,
                       graph.loss.target_bytes.at(micro_batch))
+
+
+def _saved_bytes(node: NodeCost, micro_batch: int, bf16: bool) -> float:
+    """What the node saves for backward, under bf16 autocast as measured (half, unmeasured)."""
+    if bf16 and node.bf16.saved_bytes is not None:
+        return node.bf16.saved_bytes.at(micro_batch)
+    return node.saved_bytes.at(micro_batch) * (0.5 if bf16 else 1.0)
+
+
+def _loss_saved_bytes(loss: LossCost, micro_batch: int, bf16: bool) -> float:
+    if bf16 and loss.saved_bytes_bf16 is not None:
+        return loss.saved_bytes_bf16.at(micro_batch)
+    return loss.saved_bytes.at(micro_batch) * (0.5 if bf16 else 1.0)
 
 
 def _calibrated(graph: CostGraph, calibration: Calibration, micro_batch: int,

@@ -45,14 +45,27 @@ class Device:
     device_type: str = "cuda"
 
 
+# PyTorch's cuBLAS workspace, allocated once per handle and stream through its caching allocator
+# (so inside the measured peak): 32 MiB on Hopper, else CUBLAS_WORKSPACE_CONFIG's default
+# 2 · 4096 KiB + 8 · 16 KiB. Training uses two handles: the forward's thread and autograd's
+# backward thread. Measured on an H200 (torch 2.11, CUDA 13): 62 MiB beyond the model's terms.
+_CUBLAS_WORKSPACE = {True: 32 * MIB, False: (2 * 4096 + 8 * 16) * 1024}
+# Measured on an H200 (torch 2.11, CUDA 13, NCCL 2.28; benchmarks/gpu_check.sh): each process
+# holds 619 MiB of CUDA context and 1,177 MiB once its NCCL communicator is up, outside the
+# allocator; at a long-sequence LM's largest micro-batch the allocator reserved 3,188 MiB for
+# 2,865 MiB allocated (10 % not handed out). The context and communicator depend on the CUDA
+# and NCCL versions more than on the chip, so every GPU preset takes these figures.
+_GPU_PROCESS_BYTES = 1177 * MIB
+_GPU_FRAGMENTATION = 0.10
+
+
 def _gpu(name: str, fp32: float, bf16: float, bandwidth_gbs: float, memory_gib: float,
-         link_gbs: float) -> Device:
+         link_gbs: float, hopper: bool = False) -> Device:
     # Inter-node: one 200 Gb/s InfiniBand HDR port per device (25 GB/s), 5 µs; NVLink 2 µs.
-    # Memory: CUDA context and NCCL communicators about 1 GiB per process, and 5 % of the rest
-    # reserved but not allocated by the caching allocator (published figures; not measured here).
     return Device(name, fp32 * TFLOPS, bf16 * TFLOPS, bandwidth_gbs * GB, memory_gib * GIB,
                   link_gbs * GB, 25 * GB, 2e-6, 5e-6, kernel_overhead_s=8e-6, efficiency=0.6,
-                  process_bytes=1 * GIB, fragmentation=0.05)
+                  process_bytes=_GPU_PROCESS_BYTES, runtime_bytes=2 * _CUBLAS_WORKSPACE[hopper],
+                  fragmentation=_GPU_FRAGMENTATION)
 
 
 PRESETS: dict[str, Device] = {
@@ -61,8 +74,8 @@ PRESETS: dict[str, Device] = {
     "v100-32g": _gpu("v100-32g", 15.7, 125.0, 900, 32, 150),
     "a100-40g": _gpu("a100-40g", 19.5, 312.0, 1555, 40, 300),
     "a100-80g": _gpu("a100-80g", 19.5, 312.0, 2039, 80, 300),
-    "h100-80g": _gpu("h100-80g", 67.0, 989.0, 3350, 80, 450),
-    "h200": _gpu("h200", 67.0, 989.0, 4800, 141, 450),
+    "h100-80g": _gpu("h100-80g", 67.0, 989.0, 3350, 80, 450, hopper=True),
+    "h200": _gpu("h200", 67.0, 989.0, 4800, 141, 450, hopper=True),
     # PCIe cards: no NVLink, stages talk over PCIe 4.0 x16 (32 GB/s one direction).
     "l4": _gpu("l4", 30.3, 121.0, 300, 24, 32),
     "rtx4090": _gpu("rtx4090", 82.6, 165.2, 1008, 24, 32),

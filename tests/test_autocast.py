@@ -13,7 +13,8 @@ from torch.nn import functional as F
 
 from conftest import MODELS, SAMPLES
 from pipec.annotate import annotate
-from pipec.autocast import autocast_dtypes
+from pipec.autocast import autocast_dtypes, run_under_autocast
+from pipec.costgraph import Linear
 from pipec.loader import load_model_file
 from pipec.trace import batch_inputs, trace_model
 
@@ -95,3 +96,68 @@ def test_cut_bytes_under_bf16_count_each_value_in_its_autocast_dtype() -> None:
     assert graph.cut_bytes_bf16[linear + 1].per_sample == width * 4 + width * 2
     assert graph.cut_bytes_at("bf16") == graph.cut_bytes_bf16
     assert graph.cut_bytes_at("fp32") == graph.cut_bytes
+
+
+def _weight_or_its_copy(tensor: torch.Tensor) -> bool:
+    """A weight, or autocast's bf16 copy of one (transposed for a matmul's backward)."""
+    step = tensor.grad_fn
+    while step is not None and type(step).__name__ in ("ToCopyBackward0", "TBackward0"):
+        step = step.next_functions[0][0]
+    return (tensor.is_leaf and tensor.requires_grad) or type(step).__name__ == "AccumulateGrad"
+
+
+class _SavedBytes(fx.Interpreter):
+    """A real run that sums the distinct storages autograd saves, beside the graph's inputs,
+    its weights and autocast's bf16 copies of them."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.inputs: set[int] = set()
+        self.storages: dict[int, int] = {}
+
+    def run_node(self, n: fx.Node) -> object:
+        saved: list[torch.Tensor] = []
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            saved.append(tensor)
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            value = super().run_node(n)
+        if n.op == "placeholder":
+            self.inputs.add(value.untyped_storage().data_ptr())
+        for tensor in saved:
+            pointer = tensor.untyped_storage().data_ptr()
+            if pointer not in self.inputs and not _weight_or_its_copy(tensor):
+                self.storages[pointer] = tensor.untyped_storage().nbytes()
+        return value
+
+
+@pytest.mark.parametrize("path", [SAMPLES / "gpt.py", MODELS / "residual_mlp.py"],
+                         ids=lambda p: p.stem)
+def test_saved_bytes_under_autocast_equal_a_real_cpu_autocast_run(path: Path) -> None:
+    spec = load_model_file(path)
+    traced = trace_model(spec)
+    batches = [batch_inputs(spec, size) for size in (2, 4)]
+    run = run_under_autocast(traced.graph_module, batches, "cpu")
+    torch.manual_seed(0)
+    for (inputs, _), found in zip(batches, run.saved, strict=True):
+        real = _SavedBytes(fx.GraphModule(spec.build_model(), traced.graph_module.graph))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            real.run(*inputs)
+        assert sum(found.values()) == sum(real.storages.values()) > 0
+
+
+def test_a_bf16_plan_counts_what_autocast_saves() -> None:
+    """Each block's Linear saves a bf16 copy of the fp32 stream it reads (a copy fp32 training
+    does not make), tanh its bf16 output; the stream itself stays fp32."""
+    spec = load_model_file(MODELS / "residual_mlp.py")
+    graph = annotate(trace_model(spec), spec, autocast_device="cpu")
+    width = 16
+    for block in range(4):
+        linear = next(n for n in graph.nodes if n.module == f"blocks.{block}.linear")
+        assert linear.bf16.saved_bytes == Linear(0.0, width * 2)
+        assert linear.bf16.output_ratio == 0.5
+    tanh = [n for n in graph.nodes if n.target == "tanh"]
+    assert [n.bf16.saved_bytes for n in tanh] == [Linear(0.0, width * 2)] * 4
+    assert graph.loss.saved_bytes_bf16 is not None
