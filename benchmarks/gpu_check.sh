@@ -14,7 +14,7 @@
 # kind is run (benchmarks/memory_fidelity.py --largest-micro-batch), and the memory each process
 # holds before its model (CUDA context, NCCL communicator) is measured. ALLOW_CPU=1
 # HARDWARE=cpu runs the same steps without a GPU (gloo; memory as
-# the CPU measures it), to check the script itself.
+# the CPU measures it), to check the script itself. PROFILE=0 leaves out the calibrated run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -58,6 +58,8 @@ run_one() {  # name
 
 check gpt-1gpu samples/gpt.py 64 --gpus 1
 run_one gpt-1gpu
+check gpt-1gpu-bf16 samples/gpt.py 64 --gpus 1 --precision bf16
+run_one gpt-1gpu-bf16
 check resnet-1gpu samples/resnet.py 64 --gpus 1
 run_one resnet-1gpu
 check long-lm-1gpu benchmarks/models/long_lm.py 16 --gpus 1 --micro-batch 2
@@ -82,12 +84,14 @@ dist.destroy_process_group()
 PROBE
 fi
 # The same GPT plan with compute times measured on this device (pipec profile) instead of the
-# preset's roofline.
-device=$([ "$gpus" -ge 1 ] && echo cuda || echo cpu)
-"$PYTHON" -m pipec.cli profile samples/gpt.py --batch-size 64 --device "$device" \
-    -o "$work/gpt-calibration.json"
-check gpt-1gpu-calibrated samples/gpt.py 64 --gpus 1 --calibration "$work/gpt-calibration.json"
-run_one gpt-1gpu-calibrated
+# preset's roofline (PROFILE=0 skips it).
+if [ "${PROFILE:-1}" = 1 ]; then
+    device=$([ "$gpus" -ge 1 ] && echo cuda || echo cpu)
+    "$PYTHON" -m pipec.cli profile samples/gpt.py --batch-size 64 --device "$device" \
+        -o "$work/gpt-calibration.json"
+    check gpt-1gpu-calibrated samples/gpt.py 64 --gpus 1 --calibration "$work/gpt-calibration.json"
+    run_one gpt-1gpu-calibrated
+fi
 if [ "$gpus" -ge 2 ]; then
     check gpt-2gpu samples/gpt.py 64 --gpus 2 --pp 2 --schedule 1f1b
     (cd "$work/gpt-2gpu" && "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node 2 \
