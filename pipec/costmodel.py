@@ -8,7 +8,7 @@ A boundary costs ``latency + bytes / link bandwidth`` forward and the same again
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -106,6 +106,8 @@ class NodeArrays:
     working_bytes: np.ndarray  # per node, alive during its backward; the loss's on the last
     loss_bytes: float  # saved by loss_fn, per micro-batch in flight
     target_bytes: float  # one micro-batch's targets
+    # Per node, the gradients of its parameters (part of static_bytes).
+    gradient_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
     @property
     def cut_bytes(self) -> np.ndarray:
@@ -140,15 +142,23 @@ def node_arrays(graph: CostGraph, device: Device, micro_batch: int, training: Tr
     held = np.array([c.at(micro_batch) for c in graph.held_cut_bytes_at(training.precision)])
     working = np.array([n.working_bytes.at(micro_batch) * (n.bf16.working_ratio if bf16 else 1)
                         for n in graph.nodes])
-    # The loss runs after the last node, on the last stage, which always holds that node: it
-    # saves its own bytes (cross-entropy's log-softmax: fp32 under autocast) and its backward
-    # also holds the output's gradient, in the output's dtype.
+    # The loss runs after the last node, on the last stage, which always holds that node.
     loss_saved = _loss_saved_bytes(graph.loss, micro_batch, bf16)
-    output_grad = graph.loss.working_bytes.at(micro_batch) - graph.loss.saved_bytes.at(micro_batch)
-    output_ratio = graph.nodes[-1].bf16.output_ratio if bf16 else 1.0
-    working[-1] = max(working[-1], loss_saved + output_grad * output_ratio)
+    working[-1] = max(working[-1], _loss_working_bytes(graph, micro_batch, bf16, loss_saved))
     return NodeArrays(fwd, bwd, static, saved_bytes, boundary, held, working, loss_saved,
-                      graph.loss.target_bytes.at(micro_batch))
+                      graph.loss.target_bytes.at(micro_batch),
+                      (param_bytes + shared) * GRADIENT_RATIO)
+
+
+def _loss_working_bytes(graph: CostGraph, micro_batch: int, bf16: bool,
+                        loss_saved: float) -> float:
+    """What the loss's backward holds: what it saved and the gradient of the model's output.
+    A loss that autocast runs in fp32 on a bf16 output (cross-entropy: it saves an fp32
+    log-softmax) makes that gradient in fp32, then casts it to the output's bf16."""
+    output_grad = graph.loss.working_bytes.at(micro_batch) - graph.loss.saved_bytes.at(micro_batch)
+    ratio = graph.nodes[-1].bf16.output_ratio if bf16 else 1.0
+    upcast = ratio < 1.0 and loss_saved > ratio * graph.loss.saved_bytes.at(micro_batch)
+    return loss_saved + output_grad * (1.0 + ratio if upcast else ratio)
 
 
 def _saved_bytes(node: NodeCost, micro_batch: int, bf16: bool) -> float:
@@ -219,11 +229,15 @@ class StageMemory:
     data: float  # the step's inputs (first stage) and targets (last stage)
     loss: float  # what loss_fn saves, times the micro-batches in flight (last stage)
     working: float  # the largest backward working set among the stage's nodes (and the loss's)
+    # Zero or negative: when every micro-batch is in flight before the first backward (GPipe),
+    # the peak comes before the gradients exist (train.py zeroes them to None each step), or
+    # after one micro-batch's activations are freed: the smaller of the two is not held.
+    unmade_gradients: float = 0.0
 
     @property
     def total(self) -> float:
         return (self.static + self.activations + self.held_outputs + self.receive_buffers
-                + self.data + self.loss + self.working)
+                + self.data + self.loss + self.working + self.unmade_gradients)
 
 
 @dataclass(frozen=True)
@@ -238,6 +252,12 @@ class StageRole:
     # The end stages hold the step's whole global batch, inputs and targets: the data is made
     # by sample_batch() in the process's own (host) memory, which is the device's on a CPU.
     whole_batch: bool = False
+
+    @property
+    def peaks_before_gradients(self) -> bool:
+        """Every micro-batch is in flight before the first backward, and the gradients are
+        the stage's own (DDP's buckets, under data parallelism, exist all along)."""
+        return self.in_flight >= self.micro_batches and self.replicas == 1
 
     @property
     def first(self) -> bool:
@@ -263,7 +283,16 @@ def stage_memory(arrays: NodeArrays, start: int, end: int, role: StageRole) -> S
         receive_buffers=float(received + gradients),
         data=sum(_data_bytes(arrays, role)),
         loss=f * arrays.loss_bytes if role.last else 0.0,
-        working=float(arrays.working_bytes[start:end].max(initial=0.0)))
+        working=float(arrays.working_bytes[start:end].max(initial=0.0)),
+        unmade_gradients=-unmade_gradients(arrays, start, end) if role.peaks_before_gradients
+        else 0.0)
+
+
+def unmade_gradients(arrays: NodeArrays, start: int, end: int) -> float:
+    """What a stage peaking before its gradients does not hold: the smaller of its gradients
+    and one micro-batch's activations (peak = max(static − gradients + f·a, static + (f−1)·a))."""
+    return float(min(arrays.gradient_bytes[start:end].sum(),
+                     arrays.activation_bytes[start:end].sum()))
 
 
 def ends_bytes(arrays: NodeArrays, role: StageRole) -> tuple[np.ndarray, np.ndarray]:

@@ -108,10 +108,11 @@ class _MeasuringInterpreter(fx.Interpreter):
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
                 FlopCounterMode(display=False) as forward:
             value = getattr(self, n.op)(n.target, args, kwargs)
+        backward = self._backward_flops(n, value, leaves)
         if n.target is F.scaled_dot_product_attention:
-            saved = self._fused_attention_saved(args, kwargs, value, saved)
+            value, saved = self._fused_attention(args, kwargs, value, saved)
         self.keep_alive += saved
-        return value, forward.get_total_flops(), self._backward_flops(n, value, leaves), saved
+        return value, forward.get_total_flops(), backward, saved
 
     def _signature(self, n: fx.Node, args: Any, kwargs: Any) -> Hashable:
         """What a node's costs depend on: its operation (a module's type and configuration) and
@@ -196,12 +197,15 @@ class _MeasuringInterpreter(fx.Interpreter):
         self.alias[storage_id(copy)] = self._canonical(storage_id(value))
         return copy
 
-    def _fused_attention_saved(self, args: Any, kwargs: Any, value: torch.Tensor,
-                               math_saved: list[torch.Tensor]) -> list[torch.Tensor]:
-        """What a fused attention kernel saves for backward: q, k, v, the output and the
-        log-sum-exp, as CPU's and CUDA's flash / memory-efficient kernels do in training, not
-        the T × T attention matrix of the math fallback that runs on meta tensors.
-        """
+    def _fused_attention(self, args: Any, kwargs: Any, value: torch.Tensor,
+                         math_saved: list[torch.Tensor]
+                         ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The output and saved tensors of a fused attention kernel: it saves q, k, v, the
+        output and the log-sum-exp, as CPU's and CUDA's flash / memory-efficient kernels do
+        in training, not the T × T attention matrix of the math fallback that runs on meta
+        tensors; and its output is laid out as theirs are, (batch, tokens, heads, dim)
+        transposed, so that the usual ``transpose(1, 2).reshape(...)`` after it is a view,
+        not a copy to count."""
         saved: list[torch.Tensor] = []
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
@@ -212,9 +216,9 @@ class _MeasuringInterpreter(fx.Interpreter):
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 fused_output = _fused_attention(*args, **kwargs)
         except (RuntimeError, TypeError, NotImplementedError):
-            return math_saved  # a variant the fused kernel does not take: count the math path
-        self.alias[storage_id(fused_output)] = storage_id(value)
-        return saved
+            # A variant the fused kernel does not take: count the math path.
+            return value, math_saved
+        return fused_output, saved
 
     def _backward_flops(self, n: fx.Node, value: Any, leaves: list[torch.Tensor]) -> int:
         params = (list(self.module.get_submodule(str(n.target)).parameters())

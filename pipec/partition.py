@@ -16,7 +16,7 @@ gradients alive while one node's backward runs).
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -35,6 +35,10 @@ class Problem:
     enter_bytes: np.ndarray  # (num_stages, n + 1): held by a stage that starts at the cut
     leave_bytes: np.ndarray  # (num_stages, n + 1): held by a stage that ends at the cut
     working_bytes: np.ndarray  # (n,): transient bytes while the node runs; a stage the largest
+    # Prefix sums of the gradients (part of static_bytes), and per stage whether its peak comes
+    # before them: then it holds min(gradients, one micro-batch's activations) less.
+    gradient_bytes: np.ndarray = field(default_factory=lambda: np.zeros(1))
+    before_gradients: tuple[bool, ...] = ()
 
     @property
     def num_nodes(self) -> int:
@@ -54,7 +58,9 @@ class Partition:
 def make_problem(costs: np.ndarray, static: np.ndarray, activation: np.ndarray,
                  cut_s: np.ndarray, legal: np.ndarray, capacity: tuple[float, ...],
                  in_flight: tuple[int, ...], enter: np.ndarray | None = None,
-                 leave: np.ndarray | None = None, working: np.ndarray | None = None) -> Problem:
+                 leave: np.ndarray | None = None, working: np.ndarray | None = None,
+                 gradients: np.ndarray | None = None,
+                 before_gradients: tuple[bool, ...] | None = None) -> Problem:
     """Build a Problem from per-node arrays (length n) and per-cut arrays (length n + 1).
 
     ``costs``, ``cut_s``, ``enter`` and ``leave`` are one row for all stages or one row per
@@ -71,7 +77,9 @@ def make_problem(costs: np.ndarray, static: np.ndarray, activation: np.ndarray,
     time = np.broadcast_to(prefix(costs), (stages, n + 1))
     return Problem(time, per_stage(cut_s), prefix(static), prefix(activation),
                    np.asarray(legal, bool), capacity, in_flight, per_stage(enter),
-                   per_stage(leave), np.zeros(n) if working is None else np.asarray(working, float))
+                   per_stage(leave), np.zeros(n) if working is None else np.asarray(working, float),
+                   prefix(np.zeros(n) if gradients is None or not len(gradients) else gradients),
+                   before_gradients or (False,) * stages)
 
 
 def stage_time(p: Problem, stage: int, start: int, end: int) -> float:
@@ -80,8 +88,10 @@ def stage_time(p: Problem, stage: int, start: int, end: int) -> float:
 
 def stage_memory(p: Problem, stage: int, start: int, end: int) -> float:
     activations = p.activation_bytes[end] - p.activation_bytes[start]
+    gradients = p.gradient_bytes[end] - p.gradient_bytes[start]
+    unmade = min(gradients, activations) if p.before_gradients[stage] else 0.0
     return float(p.static_bytes[end] - p.static_bytes[start] + p.in_flight[stage] * activations
-                 + p.enter_bytes[stage, start] + p.leave_bytes[stage, end]
+                 - unmade + p.enter_bytes[stage, start] + p.leave_bytes[stage, end]
                  + p.working_bytes[start:end].max(initial=0.0))
 
 
@@ -147,6 +157,7 @@ class _Grid:
     def __init__(self, p: Problem, cuts: np.ndarray, upper: float) -> None:
         self.p, self.cuts, self.upper = p, cuts, upper
         self.static, self.activation = p.static_bytes[cuts], p.activation_bytes[cuts]
+        self.gradient = p.gradient_bytes[cuts]
         self.working = _RangeMax([p.working_bytes[a:b].max(initial=0.0)
                                   for a, b in itertools.pairwise(cuts)])
 
@@ -175,9 +186,11 @@ class _Grid:
         capacity = self.p.capacity[stage]
         if capacity == np.inf:
             return True
+        activations = self.activation[ends][:, None] - self.activation[starts]
+        unmade = (np.minimum(self.gradient[ends][:, None] - self.gradient[starts], activations)
+                  if self.p.before_gradients[stage] else 0.0)
         memory = (self.static[ends][:, None] - self.static[starts]
-                  + self.p.in_flight[stage] * (self.activation[ends][:, None]
-                                               - self.activation[starts])
+                  + self.p.in_flight[stage] * activations - unmade
                   + self.p.enter_bytes[stage, self.cuts[starts]]
                   + self.p.leave_bytes[stage, self.cuts[ends]][:, None]
                   + self.working.over(starts, np.broadcast_to(ends[:, None], starts.shape)))

@@ -20,8 +20,9 @@ def stages(draw: st.DrawFn) -> tuple[NodeArrays, int, int, StageRole]:
     def array(length: int) -> np.ndarray:
         return np.array(draw(st.lists(values, min_size=length, max_size=length)))
 
-    arrays = NodeArrays(array(n), array(n), array(n), array(n), array(n + 1), array(n + 1),
-                        array(n), draw(values), draw(values))
+    static = array(n)
+    arrays = NodeArrays(array(n), array(n), static, array(n), array(n + 1), array(n + 1),
+                        array(n), draw(values), draw(values), static / 3)
     num_stages = draw(st.integers(1, 4))
     index = draw(st.integers(0, num_stages - 1))
     # Where the stage can sit: only the first starts at cut 0, only the last ends at n.
@@ -41,7 +42,8 @@ def test_the_dp_counts_exactly_the_stage_memory_terms(case: tuple) -> None:
     problem = make_problem(arrays.fwd_s, arrays.static_bytes, arrays.activation_bytes,
                            arrays.cut_bytes, np.ones(len(arrays.fwd_s) + 1, bool),
                            (float("inf"),), (role.in_flight,), enter, leave,
-                           arrays.working_bytes)
+                           arrays.working_bytes, arrays.gradient_bytes,
+                           (role.peaks_before_gradients,))
     expected = stage_memory(arrays, start, end, role).total
     assert abs(dp_stage_memory(problem, 0, start, end) - expected) <= 1e-9 * max(1.0, expected)
 
@@ -54,3 +56,20 @@ def test_whole_batch_data_is_counted_once_on_a_single_stage() -> None:
     assert one.data == 4 * 2 * (100 + 10)  # the global batch's inputs and targets, once
     share = stage_memory(arrays, 0, n, StageRole(0, 1, 4, 4, replicas=2))
     assert share.data == 4 * (100 + 10)  # the replica's share
+
+
+def test_a_stage_peaking_before_its_gradients_holds_the_smaller_of_them_less() -> None:
+    """GPipe on one replica: every micro-batch is in flight before the first backward, and
+    train.py sets the gradients to None each step, so the peak is
+    max(static − gradients + f·a, static + (f − 1)·a). Not under 1F1B with more micro-batches
+    than in flight, nor under data parallelism (DDP's buckets hold the gradients all along)."""
+    n = 2
+    arrays = NodeArrays(*(np.zeros(n),) * 2, np.array([30.0, 30.0]), np.array([5.0, 15.0]),
+                        np.zeros(n + 1), np.zeros(n + 1), np.zeros(n), 0.0, 0.0,
+                        np.array([10.0, 10.0]))
+    gpipe = stage_memory(arrays, 0, n, StageRole(0, 1, 4, 4))
+    assert gpipe.unmade_gradients == -20.0  # min(gradients 20, activations 20)
+    assert gpipe.total == 60 + 4 * 20 - 20
+    assert stage_memory(arrays, 0, 1, StageRole(0, 2, 4, 4)).unmade_gradients == -5.0
+    assert stage_memory(arrays, 0, n, StageRole(0, 1, 8, 2)).unmade_gradients == 0.0
+    assert stage_memory(arrays, 0, n, StageRole(0, 1, 4, 4, replicas=2)).unmade_gradients == 0.0

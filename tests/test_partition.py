@@ -33,8 +33,11 @@ def problems(draw: st.DrawFn) -> tuple:
     total = float(static.sum() + stages * activation.sum() + 30.0)
     capacity = tuple(draw(st.floats(0.0, total + 1.0)) for _ in range(stages))
     in_flight = tuple(draw(st.integers(1, 4)) for _ in range(stages))
+    # Gradients (a part of static) that a stage peaking before them does not hold.
+    gradients = static * np.array(draw(st.lists(st.floats(0.0, 1.0), min_size=n, max_size=n)))
+    before = tuple(draw(st.booleans()) for _ in range(stages))
     return make_problem(costs, static, activation, cut_s, legal, capacity, in_flight,
-                        enter, leave, working)
+                        enter, leave, working, gradients, before)
 
 
 @settings(max_examples=300, deadline=None)

@@ -92,7 +92,8 @@ def _problem(costs: Costs, point: Point, roles: tuple[StageRole, ...], balance: 
     enter, leave = zip(*(ends_bytes(arrays, role) for role in roles), strict=True)
     return make_problem(sc.time_s, arrays.static_bytes, arrays.activation_bytes, sc.cut_s,
                         costs.legal, sc.stage_capacity(layout), flights, np.stack(enter),
-                        np.stack(leave), arrays.working_bytes)
+                        np.stack(leave), arrays.working_bytes, arrays.gradient_bytes,
+                        tuple(role.peaks_before_gradients for role in roles))
 
 
 def uniform_boundaries(legal: np.ndarray, stages: int) -> tuple[int, ...]:
