@@ -9,8 +9,10 @@ the numerics depend on the partition. What autograd saves changes unevenly too: 
 the bf16 copy of its fp32 input (besides the fp32 value another node may save), a LayerNorm its
 fp32 input, cross-entropy an fp32 log-softmax; halving the fp32 bytes undercounts all of these.
 So the graph (and ``loss_fn`` on its output) runs on fake tensors (shapes and dtypes, no data) of
-the target device type, once under that device type's autocast rules, which differ between CPU
-and CUDA, and once in fp32, counting each node's saved bytes the same way in both runs.
+the target device type under that device type's autocast rules, which differ between CPU and
+CUDA: once without autograd for the dtypes, and with autograd at each measured batch to count
+what each node saves (each storage once, with the node that made it; the graph's inputs are the
+data's, not activations).
 """
 
 from __future__ import annotations
@@ -50,24 +52,32 @@ def run_under_autocast(gm: fx.GraphModule, batches: Sequence[tuple[Sequence[torc
                        device_type: str, loss_fn: Callable[..., Any] | None = None
                        ) -> AutocastRun:
     """The graph (and ``loss_fn`` on its output) under bf16 autocast on ``device_type`` ("cuda"
-    or "cpu"), at each of ``batches`` (inputs, targets). Empty, with a warning, when the graph
-    cannot run on fake tensors: the caller then plans bf16 at fp32 dtypes and sizes (never
-    rounding at a cut, never undercounting, at twice the bytes)."""
+    or "cpu"), at each of ``batches`` (inputs, targets). What fake tensors cannot run is left
+    out, with a warning: no dtypes (stage boundaries keep the fp32 dtypes), no saved bytes
+    (bf16 memory is planned at fp32 sizes), no loss (its fp32 bytes are used)."""
+    dtypes = autocast_dtypes(gm, batches[0][0], device_type)
     # Autograd on fake CUDA tensors needs a PyTorch built with CUDA (it aborts the process
     # otherwise): without one, the saved bytes are counted under CPU autocast's rules, which
     # differ from CUDA's in the few ops CUDA runs in fp32 (layer_norm, softmax).
     counted_on = device_type if device_type == "cpu" or torch.cuda.is_available() else "cpu"
+    if counted_on != device_type:
+        log.info("bf16 saved bytes counted under CPU autocast's rules (this PyTorch has no "
+                 "CUDA); CUDA runs layer_norm and softmax in fp32")
     try:
-        dtypes = _fake_run(gm, batches[0][0], device_type, grad=False).dtypes
         runs = [_fake_run(gm, inputs, counted_on, True, loss_fn, targets)
                 for inputs, targets in batches]
     except Exception as exc:  # a model that fake tensors cannot run still compiles
-        log.warning("could not run the graph on fake tensors under %s bf16 autocast (%s: %s); "
-                    "under --precision bf16 stage boundaries keep each value's fp32 dtype and "
-                    "memory is planned at fp32 sizes", device_type, type(exc).__name__, exc)
-        return AutocastRun()
-    return AutocastRun(dtypes, tuple(dict(r.saved) for r in runs),
-                       tuple(r.loss_saved for r in runs))
+        log.warning("could not count what the graph saves under %s bf16 autocast on fake "
+                    "tensors (%s: %s); under --precision bf16 its memory is planned at fp32 "
+                    "sizes", device_type, type(exc).__name__, exc)
+        return AutocastRun(dtypes)
+    failed = next((r.loss_error for r in runs if r.loss_error is not None), None)
+    if failed is not None:
+        log.warning("loss_fn could not run on fake tensors under bf16 autocast (%s: %s); its "
+                    "fp32 bytes are planned", type(failed).__name__, failed)
+    loss_saved = () if failed is not None or loss_fn is None else tuple(
+        r.loss_saved for r in runs)
+    return AutocastRun(dtypes, tuple(dict(r.saved) for r in runs), loss_saved)
 
 
 def autocast_dtypes(gm: fx.GraphModule, inputs: Sequence[torch.Tensor],
@@ -91,7 +101,10 @@ def _fake_run(gm: fx.GraphModule, inputs: Sequence[torch.Tensor], device_type: s
             torch.set_grad_enabled(grad):
         output = run.run(*(run.fake(t) for t in inputs))
         if loss_fn is not None:
-            run.run_loss(loss_fn, output, targets)
+            try:  # a loss fake tensors cannot run (.item(), data-dependent ops)
+                run.run_loss(loss_fn, output, targets)
+            except Exception as exc:
+                run.loss_error = exc
     return run
 
 
@@ -106,6 +119,7 @@ class _FakeAutocastRun(fx.Interpreter):
         self.dtypes: dict[str, str] = {}
         self.saved: dict[str, int] = defaultdict(int)
         self.loss_saved = 0
+        self.loss_error: Exception | None = None
         self.maker: dict[int, str] = {}  # storage -> the compute node that made it ("": none)
         self.counted: set[int] = set()
         self.keep_alive: list[torch.Tensor] = []  # storages are keyed by address

@@ -289,10 +289,20 @@ def stage_memory(arrays: NodeArrays, start: int, end: int, role: StageRole) -> S
 
 
 def unmade_gradients(arrays: NodeArrays, start: int, end: int) -> float:
-    """What a stage peaking before its gradients does not hold: the smaller of its gradients
-    and one micro-batch's activations (peak = max(static − gradients + f·a, static + (f−1)·a))."""
-    return float(min(arrays.gradient_bytes[start:end].sum(),
-                     arrays.activation_bytes[start:end].sum()))
+    """What a stage peaking before its gradients does not hold, over nodes [start, end).
+
+    Its first backward runs node by node from the end: when node i's runs, the gradients of
+    nodes ≥ i exist and the activations saved by nodes > i are freed. Before it the stage holds
+    static − G + f·A; at node i, static − G + f·A + G[≥i] − A[>i]; after it, static + (f−1)·A.
+    So the stage always holds static + f·A less at most min over i of (G[<i] + A[>i]), and
+    less G."""
+    if end <= start:
+        return 0.0
+    gradients = arrays.gradient_bytes[start:end]
+    before = np.concatenate(([0.0], np.cumsum(gradients)[:-1]))  # G[<i]
+    after = np.cumsum(arrays.activation_bytes[start:end][::-1])[::-1] - \
+        arrays.activation_bytes[start:end]  # A[>i]
+    return float(min(gradients.sum(), (before + after).min()))
 
 
 def ends_bytes(arrays: NodeArrays, role: StageRole) -> tuple[np.ndarray, np.ndarray]:

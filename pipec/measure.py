@@ -203,9 +203,9 @@ class _MeasuringInterpreter(fx.Interpreter):
         """The output and saved tensors of a fused attention kernel: it saves q, k, v, the
         output and the log-sum-exp, as CPU's and CUDA's flash / memory-efficient kernels do
         in training, not the T × T attention matrix of the math fallback that runs on meta
-        tensors; and its output is laid out as theirs are, (batch, tokens, heads, dim)
-        transposed, so that the usual ``transpose(1, 2).reshape(...)`` after it is a view,
-        not a copy to count."""
+        tensors; and its output laid out as the CPU kernel lays it out (like q: a q made by
+        ``view(...).transpose(1, 2)`` gives an output whose ``transpose(1, 2).reshape(...)``
+        is a view, not a copy to count). CUDA's flash output is always laid out so."""
         saved: list[torch.Tensor] = []
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:

@@ -41,6 +41,13 @@ class Problem:
     before_gradients: tuple[bool, ...] = ()
 
     @property
+    def unmade_key(self) -> np.ndarray:
+        """Per node i, G[0, i) − A[0, i]: a span's G[start, i) + A(i, end) is this plus
+        A[0, end) − G[0, start), so the span's least is a range minimum."""
+        key: np.ndarray = self.gradient_bytes[:-1] - self.activation_bytes[1:]
+        return key
+
+    @property
     def num_nodes(self) -> int:
         return int(self.time.shape[1]) - 1
 
@@ -88,11 +95,21 @@ def stage_time(p: Problem, stage: int, start: int, end: int) -> float:
 
 def stage_memory(p: Problem, stage: int, start: int, end: int) -> float:
     activations = p.activation_bytes[end] - p.activation_bytes[start]
-    gradients = p.gradient_bytes[end] - p.gradient_bytes[start]
-    unmade = min(gradients, activations) if p.before_gradients[stage] else 0.0
     return float(p.static_bytes[end] - p.static_bytes[start] + p.in_flight[stage] * activations
-                 - unmade + p.enter_bytes[stage, start] + p.leave_bytes[stage, end]
-                 + p.working_bytes[start:end].max(initial=0.0))
+                 - unmade_gradients(p, stage, start, end) + p.enter_bytes[stage, start]
+                 + p.leave_bytes[stage, end] + p.working_bytes[start:end].max(initial=0.0))
+
+
+def unmade_gradients(p: Problem, stage: int, start: int, end: int) -> float:
+    """For a stage peaking before its gradients, what it does not hold: G over the span, or
+    less, min over its nodes i of G[start, i) + A(i, end), while node i's backward runs
+    (pipec.costmodel.unmade_gradients)."""
+    if not p.before_gradients[stage] or end <= start:
+        return 0.0
+    gradients = p.gradient_bytes[end] - p.gradient_bytes[start]
+    lowest = (p.unmade_key[start:end].min() - p.gradient_bytes[start]
+              + p.activation_bytes[end])
+    return float(min(gradients, lowest))
 
 
 def solve(p: Problem) -> Partition | None:
@@ -158,6 +175,8 @@ class _Grid:
         self.p, self.cuts, self.upper = p, cuts, upper
         self.static, self.activation = p.static_bytes[cuts], p.activation_bytes[cuts]
         self.gradient = p.gradient_bytes[cuts]
+        key = p.unmade_key
+        self.lowest_key = _RangeMax([-key[a:b].min() for a, b in itertools.pairwise(cuts)])
         self.working = _RangeMax([p.working_bytes[a:b].max(initial=0.0)
                                   for a, b in itertools.pairwise(cuts)])
 
@@ -187,8 +206,7 @@ class _Grid:
         if capacity == np.inf:
             return True
         activations = self.activation[ends][:, None] - self.activation[starts]
-        unmade = (np.minimum(self.gradient[ends][:, None] - self.gradient[starts], activations)
-                  if self.p.before_gradients[stage] else 0.0)
+        unmade = self._unmade_gradients(stage, ends, starts)
         memory = (self.static[ends][:, None] - self.static[starts]
                   + self.p.in_flight[stage] * activations - unmade
                   + self.p.enter_bytes[stage, self.cuts[starts]]
@@ -196,6 +214,17 @@ class _Grid:
                   + self.working.over(starts, np.broadcast_to(ends[:, None], starts.shape)))
         fit: np.ndarray = memory <= capacity
         return fit
+
+    def _unmade_gradients(self, stage: int, ends: np.ndarray, starts: np.ndarray
+                          ) -> np.ndarray | float:
+        if not self.p.before_gradients[stage]:
+            return 0.0
+        wide_ends = np.broadcast_to(ends[:, None], starts.shape)
+        lowest = (-self.lowest_key.over(starts, wide_ends) - self.gradient[starts]
+                  + self.activation[wide_ends])
+        unmade: np.ndarray = np.minimum(self.gradient[wide_ends] - self.gradient[starts],
+                                        lowest)
+        return unmade
 
 
 class _RangeMax:

@@ -160,4 +160,21 @@ def test_a_bf16_plan_counts_what_autocast_saves() -> None:
         assert linear.bf16.output_ratio == 0.5
     tanh = [n for n in graph.nodes if n.target == "tanh"]
     assert [n.bf16.saved_bytes for n in tanh] == [Linear(0.0, width * 2)] * 4
-    assert graph.loss.saved_bytes_bf16 is not None
+    # Autocast runs cross-entropy in fp32: it saves an fp32 log-softmax of the bf16 logits
+    # (5 classes), not half of it.
+    assert graph.loss.saved_bytes_bf16 == graph.loss.saved_bytes == Linear(4.0, 5 * 4)
+
+
+def test_a_loss_fake_tensors_cannot_run_keeps_the_graphs_figures(
+        caplog: pytest.LogCaptureFixture) -> None:
+    spec = load_model_file(MODELS / "residual_mlp.py")
+    traced = trace_model(spec)
+    batches = [batch_inputs(spec, size) for size in (2, 4)]
+
+    def data_dependent(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return logits.sum() * logits.max().item()
+
+    with caplog.at_level(logging.WARNING, logger="pipec.autocast"):
+        run = run_under_autocast(traced.graph_module, batches, "cpu", data_dependent)
+    assert run.dtypes and len(run.saved) == 2 and run.loss_saved == ()
+    assert "loss_fn could not run" in caplog.text

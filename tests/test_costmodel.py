@@ -29,8 +29,9 @@ def stages(draw: st.DrawFn) -> tuple[NodeArrays, int, int, StageRole]:
     last = index == num_stages - 1
     start = 0 if index == 0 else draw(st.integers(1, n - 1 if last else n - 2))
     end = n if last else draw(st.integers(start + 1, n - 1))
-    role = StageRole(index, num_stages, draw(st.integers(1, 64)), draw(st.integers(1, 8)),
-                     draw(st.integers(1, 4)), draw(st.booleans()))
+    # Micro-batches from 1: often all in flight on one replica (a peak before the gradients).
+    role = StageRole(index, num_stages, draw(st.integers(1, 16)), draw(st.integers(1, 8)),
+                     draw(st.sampled_from((1, 1, 2, 4))), draw(st.booleans()))
     return arrays, start, end, role
 
 
@@ -58,18 +59,31 @@ def test_whole_batch_data_is_counted_once_on_a_single_stage() -> None:
     assert share.data == 4 * (100 + 10)  # the replica's share
 
 
-def test_a_stage_peaking_before_its_gradients_holds_the_smaller_of_them_less() -> None:
-    """GPipe on one replica: every micro-batch is in flight before the first backward, and
-    train.py sets the gradients to None each step, so the peak is
-    max(static − gradients + f·a, static + (f − 1)·a). Not under 1F1B with more micro-batches
-    than in flight, nor under data parallelism (DDP's buckets hold the gradients all along)."""
+def _two_nodes(gradients: list[float], activations: list[float]) -> NodeArrays:
     n = 2
-    arrays = NodeArrays(*(np.zeros(n),) * 2, np.array([30.0, 30.0]), np.array([5.0, 15.0]),
-                        np.zeros(n + 1), np.zeros(n + 1), np.zeros(n), 0.0, 0.0,
-                        np.array([10.0, 10.0]))
-    gpipe = stage_memory(arrays, 0, n, StageRole(0, 1, 4, 4))
-    assert gpipe.unmade_gradients == -20.0  # min(gradients 20, activations 20)
-    assert gpipe.total == 60 + 4 * 20 - 20
-    assert stage_memory(arrays, 0, 1, StageRole(0, 2, 4, 4)).unmade_gradients == -5.0
-    assert stage_memory(arrays, 0, n, StageRole(0, 1, 8, 2)).unmade_gradients == 0.0
-    assert stage_memory(arrays, 0, n, StageRole(0, 1, 4, 4, replicas=2)).unmade_gradients == 0.0
+    return NodeArrays(*(np.zeros(n),) * 2, np.full(n, 30.0), np.array(activations),
+                      np.zeros(n + 1), np.zeros(n + 1), np.zeros(n), 0.0, 0.0,
+                      np.array(gradients))
+
+
+def test_a_stage_peaking_before_its_gradients_does_not_hold_them_all() -> None:
+    """GPipe on one replica: every micro-batch is in flight before the first backward, and
+    train.py sets the gradients to None each step. That backward runs from the last node:
+    when node i's runs, the gradients of nodes ≥ i exist and the activations saved after i
+    are freed, so the stage holds static + f·A less min(G, min over i of G[<i] + A[>i])."""
+    # Gradients early, activations late: by the time node 0's gradient is made, node 1's
+    # activations are freed: the whole 20 of gradients is never held with all activations.
+    early = stage_memory(_two_nodes([20.0, 0.0], [0.0, 20.0]), 0, 2, StageRole(0, 1, 4, 4))
+    assert early.unmade_gradients == -20.0
+    assert early.total == 60 + 4 * 20 - 20
+    # Gradients late (a language model's head), activations early: the head's gradient is
+    # made before anything is freed, so nothing is saved.
+    late = stage_memory(_two_nodes([0.0, 20.0], [20.0, 0.0]), 0, 2, StageRole(0, 1, 4, 4))
+    assert late.unmade_gradients == 0.0
+    mixed = stage_memory(_two_nodes([10.0, 10.0], [5.0, 15.0]), 0, 2, StageRole(0, 1, 4, 4))
+    assert mixed.unmade_gradients == -10.0  # node 1's 10 exist before its 15 are freed
+    # Not under 1F1B with more micro-batches than in flight, nor under data parallelism
+    # (DDP's buckets hold the gradients all along).
+    arrays = _two_nodes([20.0, 0.0], [0.0, 20.0])
+    assert stage_memory(arrays, 0, 2, StageRole(0, 1, 8, 2)).unmade_gradients == 0.0
+    assert stage_memory(arrays, 0, 2, StageRole(0, 1, 4, 4, replicas=2)).unmade_gradients == 0.0
