@@ -82,9 +82,11 @@ PRESETS: dict[str, Device] = {
     # One CPU process of this 2-core development machine, talking gloo over loopback.
     # Memory measured with train.py --metrics on a 4-parameter model: each process holds
     # 356 MiB before its model is built (213 MiB of it allocated, the rest mapped files), and
-    # the runtime allocates 0.9 MiB more while training.
-    "cpu": Device("cpu", 0.05 * TFLOPS, 0.02 * TFLOPS, 10 * GB, 8 * GIB, 2 * GB, 1 * GB,
-                  50e-6, 100e-6, kernel_overhead_s=20e-6, efficiency=1.0,
+    # the runtime allocates 0.9 MiB more while training. Links measured with
+    # benchmarks/links.py (gloo send/recv between two processes, 4 B to 64 MiB): 140 µs and
+    # 1.9 GB/s one way.
+    "cpu": Device("cpu", 0.05 * TFLOPS, 0.02 * TFLOPS, 10 * GB, 8 * GIB, 1.9 * GB, 1 * GB,
+                  140e-6, 200e-6, kernel_overhead_s=20e-6, efficiency=1.0,
                   process_bytes=356 * MIB, runtime_bytes=0.9 * MIB, device_type="cpu"),
 }
 
