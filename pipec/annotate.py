@@ -18,7 +18,7 @@ import torch
 from torch import fx, nn
 from torch.nn import functional as F
 
-from pipec.autocast import AutocastRun, run_under_autocast
+from pipec.autocast import AutocastRun, autocast_dtypes, run_under_autocast
 from pipec.costgraph import (
     COMPUTE_OPS,
     MEASURED_BATCHES,
@@ -42,10 +42,13 @@ __all__ = ["COMPUTE_OPS", "MEASURED_BATCHES", "CostGraph", "Linear", "LossCost",
            "ValueSpec", "annotate", "live_values"]
 
 
-def annotate(traced: Traced, spec: ModelSpec, autocast_device: str = "cuda") -> CostGraph:
+def annotate(traced: Traced, spec: ModelSpec, autocast_device: str = "cuda",
+             bf16_memory: bool = True) -> CostGraph:
     """Measure ``traced`` and the model file's loss on sample batches of each of
     MEASURED_BATCHES, on meta tensors; and each value's dtype under ``autocast_device``'s bf16
-    autocast ("cuda" or "cpu", whose rules differ)."""
+    autocast ("cuda" or "cpu", whose rules differ). With ``bf16_memory``, also what each node
+    and the loss save under that autocast (two more runs of the graph: a plan in fp32, or a
+    report that shows no bf16 memory, goes without)."""
     batches = [batch_inputs(spec, size) for size in MEASURED_BATCHES]
     gm = traced.graph_module
     one, two = (measure(gm, tuple(t.to("meta") for t in inputs)) for inputs, _ in batches)
@@ -63,7 +66,8 @@ def annotate(traced: Traced, spec: ModelSpec, autocast_device: str = "cuda") -> 
     live = live_sets(made_and_used, len(compute))
     held = [v for v in sizes if not one[v].saved_output]
     legal = legal_cuts(compute, made_and_used, nodes)
-    autocast = run_under_autocast(gm, batches, autocast_device, _loss_fn(spec))
+    autocast = (run_under_autocast(gm, batches, autocast_device, _loss_fn(spec)) if bf16_memory
+                else AutocastRun(autocast_dtypes(gm, batches[0][0], autocast_device)))
     values = tuple(_value_spec(n.name, one[n.name].value, two[n.name].value,
                                autocast.dtypes.get(n.name, ""))
                    for n in gm.graph.nodes if n.name in made_and_used

@@ -64,7 +64,7 @@ def profile_model(model: Path, batch_size: int, device: str = "cpu", repeats: in
         raise ConfigError(f"--norm {norm!r}: use group (as pipelined plans run) or keep")
     spec = load_model_file(model)
     traced = _fx_trace(spec)
-    graph = annotate(traced, spec)
+    graph = annotate(traced, spec, bf16_memory=False)
     torch.manual_seed(0)
     real = fx.symbolic_trace(spec.build_model())
     if norm == "group":

@@ -59,7 +59,8 @@ def analyze(options: CompileOptions) -> Analyzed:
     request = _request(options)
     spec = load_model_file(options.model)
     traced = trace_model(spec, options.frontend)
-    graph = annotate(traced, spec, autocast_device=_device_type(request.devices))
+    graph = annotate(traced, spec, autocast_device=_device_type(request.devices),
+                     bf16_memory=options.precision == "bf16")
     return Analyzed(spec, traced, graph, _bind_calibration(request, graph))
 
 

@@ -40,7 +40,7 @@ def inspect_model(model: Path, batch_size: int, depth: int | None, hardware: str
         raise ConfigError(f"--depth {depth}: must be 0 or more")
     spec = load_model_file(model)
     traced = trace_model(spec)
-    graph = annotate(traced, spec)
+    graph = annotate(traced, spec, bf16_memory=False)
     times = _node_times(graph, hardware, batch_size, training, calibration)
     shapes = {v.name: v.shape_at(batch_size) for v in graph.values}
     rows = [_row(n.name, [n], [t], batch_size, shapes)
