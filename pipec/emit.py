@@ -98,7 +98,7 @@ def _context(spec: ModelSpec, traced: Traced, plan: Plan, norms: NormPlan,
         "predicted_iteration": duration(plan.iteration_s),
         "predicted_throughput": f"{plan.samples_per_s:,.1f}",
         "predicted_bubble": f"{plan.simulation.bubble:.1%}",
-        "time_source": _time_source(request),
+        "time_source": _time_source(request) + _runtime_overhead(request),
         "run_commands": run_commands(plan), "norm_choice": norms.choice,
         "plan_id": identity,
     }
@@ -111,6 +111,15 @@ def _time_source(request: PlanRequest) -> str:
     if calibration.nodes:
         return f"this model's node times measured by `pipec profile` ({calibration.device})"
     return f"constants fitted by `pipec profile` ({calibration.device})"
+
+
+def _runtime_overhead(request: PlanRequest) -> str:
+    action = max(d.action_overhead_s for d in request.devices)
+    step = max(d.step_overhead_s for d in request.devices)
+    if not (action or step):
+        return "; the training runtime's own time is not measured for this hardware"
+    return (f"; the training runtime's own time, {duration(action)} per forward or backward "
+            f"action and {duration(step)} per step, is included")
 
 
 def _stage_context(plan: Plan, norms: NormPlan, staged: Staged) -> dict[str, Any]:

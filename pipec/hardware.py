@@ -43,6 +43,12 @@ class Device:
     # "cuda" or "cpu": the backend the emitted script runs on it (its autocast rules; whether
     # data made on the host sits in the device's memory).
     device_type: str = "cuda"
+    # The training runtime's own time, beyond kernels and links: per forward or backward
+    # action of a stage (torch.distributed.pipelining's bookkeeping, posting its sends and
+    # receives), and per optimizer step (zeroing gradients, the loss's all-reduce, the optimizer
+    # and learning-rate steps, the step's data). 0: not measured for this device.
+    action_overhead_s: float = 0.0
+    step_overhead_s: float = 0.0
 
 
 # PyTorch's cuBLAS workspace, allocated once per handle and stream through its caching allocator

@@ -37,7 +37,13 @@ def plan_dict(plan: Plan, norms: NormPlan, traced: Traced) -> dict[str, Any]:
         } for s in plan.stages],
         "predicted": {
             "iteration_s": plan.iteration_s, "samples_per_s": plan.samples_per_s,
-            "bubble": plan.simulation.bubble,
+            # Idle share of the whole step: the schedule's bubble, then the gradient
+            # all-reduce and the runtime's per-step time, which the schedule does not show.
+            "bubble": 1 - (1 - plan.simulation.bubble) * plan.simulation.iteration_s
+            / plan.iteration_s if plan.iteration_s > 0 else plan.simulation.bubble,
+            "runtime_overhead_s": {
+                "per_action": max(d.action_overhead_s for d in request.devices),
+                "per_step": max(d.step_overhead_s for d in request.devices)},
             "peak_memory_bytes": list(plan.device_memory_bytes),
             "memory_terms": [{**_sum_terms(s.memory for s in plan.stages if s.device == d),
                               "runtime": plan.device_memory_bytes[d] - sum(

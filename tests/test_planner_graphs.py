@@ -215,3 +215,15 @@ def test_max_batch_between_the_last_doubling_and_the_limit(device_mib: int, expe
                                           pp=2))
     assert chosen.max_batch_limit == 64 * 24
     assert chosen.max_batch[0] == MaxBatch("pipec", expected, capped)
+
+
+def test_the_runtimes_own_time_is_added_per_action_and_per_step() -> None:
+    """One stage, 4 micro-batches of 4 (GPipe): each forward and backward action pays the
+    device's action_overhead_s, the step its step_overhead_s, on top of the compute."""
+    graph = _chain([1e9] * 2)  # per sample: 2 GFLOP forward, 4 backward → 6 ms on 1 TFLOP/s
+    request = _request([_device()], global_batch=16, pp=1, schedule="gpipe")
+    bare = plan(graph, replace(request, micro_batch=4))
+    slow = replace(_device(), action_overhead_s=1e-3, step_overhead_s=5e-3)
+    overheads = plan(graph, replace(request, devices=(slow,), micro_batch=4))
+    assert bare.iteration_s == pytest.approx(16 * 6e-3)
+    assert overheads.iteration_s == pytest.approx(16 * 6e-3 + 2 * 4 * 1e-3 + 5e-3)

@@ -112,7 +112,9 @@ class Costs:
         capacity = tuple(min(usable_memory(d) for d in devices) for devices in positions)
         runtime = tuple(max(d.runtime_bytes for d in devices) for devices in positions)
         calibration = self.request.calibration
-        overhead = calibration.stage_overhead_s if calibration else (0.0, 0.0)
+        measured = calibration.stage_overhead_s if calibration else (0.0, 0.0)
+        action = max(d.action_overhead_s for d in self.request.devices)
+        overhead = (measured[0] + action, measured[1] + action)
         return StageCosts(fwd + bwd, fwd, bwd, arrays, cut, capacity, runtime, overhead)
 
     def _cut_s(self, layout: Layout, arrays: NodeArrays, stage: int) -> np.ndarray:

@@ -67,7 +67,13 @@ def timed(costs: Costs, e: Evaluated) -> Evaluated:
     """``e`` with its iteration time: the simulated schedule (no timeline: the search needs only
     the figures), then the slowest position's gradient all-reduce."""
     simulation = _simulate(e, timeline=False)
-    return replace(e, iteration_s=simulation.iteration_s + sync_s(costs, e))
+    return replace(e, iteration_s=simulation.iteration_s + sync_s(costs, e)
+                   + step_overhead_s(costs))
+
+
+def step_overhead_s(costs: Costs) -> float:
+    """The runtime's own time per optimizer step (the slowest device's)."""
+    return max(d.step_overhead_s for d in costs.request.devices)
 
 
 def timeline(e: Evaluated) -> Simulation:
@@ -97,7 +103,8 @@ def rank(e: Evaluated) -> tuple[float, float, int, int, int]:
 def stage_bound_s(costs: Costs, e: Evaluated) -> float:
     """A lower bound on the iteration time from the stage times, without simulating."""
     fwd, bwd = stage_times(e)
-    return stage_lower_bound_s(fwd, bwd, e.num_micro_batches, e.layout.pp) + sync_s(costs, e)
+    return (stage_lower_bound_s(fwd, bwd, e.num_micro_batches, e.layout.pp) + sync_s(costs, e)
+            + step_overhead_s(costs))
 
 
 def stage_times(e: Evaluated) -> tuple[list[float], list[float]]:
