@@ -126,13 +126,18 @@ def findings(c: Comparison) -> tuple[str, ...]:
     for device, (p, m) in enumerate(zip(c.predicted_memory, c.measured_memory, strict=True)):
         if m is not None and abs(m / max(p, 1.0) - 1) > MEMORY_TOLERANCE:
             terms = c.memory_terms[device] if device < len(c.memory_terms) else {}
-            found.append(_memory_finding(device, p, m, terms))
+            found.append(_memory_finding(device, p, m, terms, c.device_type))
     return tuple(found) or (f"the predictions hold: time within {TOLERANCE:.2f}×, memory "
                             f"within ±{MEMORY_TOLERANCE:.0%}",)
 
 
+# What the model is known not to count, by device type (docs/cost-model.md).
+UNCOUNTED = {"cpu": "glibc's heap under many tensors smaller than 64 KiB",
+             "cuda": "cuDNN's convolution workspaces, or memory the allocator reserves"}
+
+
 def _memory_finding(device: int, predicted: float, measured: float,
-                    terms: dict[str, float]) -> str:
+                    terms: dict[str, float], device_type: str) -> str:
     """Name the predicted term whose size is nearest the gap: the likeliest to be missing (when
     measured is above) or counted twice (below)."""
     gap = measured - predicted
@@ -144,9 +149,10 @@ def _memory_finding(device: int, predicted: float, measured: float,
     listed = "; terms: " + ", ".join(f"{t} {mib(v)}" for t, v in sorted(
         sized.items(), key=lambda tv: -tv[1]))
     if gap > max(sized.values()):
+        known = UNCOUNTED.get(device_type, "")
         return (f"{line}; the gap, {mib(gap)} MiB, is larger than any predicted term: memory "
-                "the model does not count (on a CPU, glibc's heap under many small tensors; "
-                "see docs/cost-model.md)" + listed)
+                f"the model does not count ({known + '; ' if known else ''}see "
+                "docs/cost-model.md)" + listed)
     term = min(sized, key=lambda t: abs(sized[t] - abs(gap)))
     direction = "missing or undercounted" if gap > 0 else "overcounted"
     return (f"{line}; the gap, {mib(abs(gap))} MiB, is nearest the '{term}' term "

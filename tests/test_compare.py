@@ -81,6 +81,9 @@ def test_findings_name_the_assumption_that_is_off() -> None:
     assert "nearest the 'receive_buffers' term" in below and "overcounted" in below
     beyond = findings(_comparison((1.0, 1.0), memory=170.0))[0]  # 70 above; the largest is 60
     assert "larger than any predicted term" in beyond and "nearest" not in beyond
+    assert "cuDNN" in beyond  # the test comparison was measured on CUDA
+    on_cpu = replace(_comparison((1.0, 1.0), memory=170.0), device_type="cpu")
+    assert "glibc's heap" in findings(on_cpu)[0]
     assert "n/a" in render(_comparison((1.0, 1.0)))
 
 
