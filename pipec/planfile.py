@@ -37,10 +37,7 @@ def plan_dict(plan: Plan, norms: NormPlan, traced: Traced) -> dict[str, Any]:
         } for s in plan.stages],
         "predicted": {
             "iteration_s": plan.iteration_s, "samples_per_s": plan.samples_per_s,
-            # Idle share of the whole step: the schedule's bubble, then the gradient
-            # all-reduce and the runtime's per-step time, which the schedule does not show.
-            "bubble": 1 - (1 - plan.simulation.bubble) * plan.simulation.iteration_s
-            / plan.iteration_s if plan.iteration_s > 0 else plan.simulation.bubble,
+            "bubble": plan.idle_share,  # of the whole step, all-reduce and runtime included
             "runtime_overhead_s": {
                 "per_action": max(d.action_overhead_s for d in request.devices),
                 "per_step": max(d.step_overhead_s for d in request.devices)},

@@ -227,3 +227,6 @@ def test_the_runtimes_own_time_is_added_per_action_and_per_step() -> None:
     overheads = plan(graph, replace(request, devices=(slow,), micro_batch=4))
     assert bare.iteration_s == pytest.approx(16 * 6e-3)
     assert overheads.iteration_s == pytest.approx(16 * 6e-3 + 2 * 4 * 1e-3 + 5e-3)
+    # One stage has no bubble: the device is idle only for the per-step time.
+    assert bare.idle_share == pytest.approx(0.0)
+    assert overheads.idle_share == pytest.approx(5e-3 / overheads.iteration_s)

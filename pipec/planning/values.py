@@ -98,4 +98,13 @@ class Plan:
     max_batch_limit: int  # the search stops here
     virtual_stages: int = 1
     pruned: int = 0  # candidates skipped: their lower bound was slower than the plan
+
+    @property
+    def idle_share(self) -> float:
+        """The share of the step a device is predicted idle: the schedule's bubble, then the
+        gradient all-reduce and the runtime's per-step time, which the schedule does not show
+        (what train.py --metrics measures as idle)."""
+        if self.iteration_s <= 0:
+            return self.simulation.bubble
+        return 1 - (1 - self.simulation.bubble) * self.simulation.iteration_s / self.iteration_s
     device_memory_bytes: tuple[float, ...] = ()  # per pipeline position, at its peak
