@@ -55,6 +55,8 @@ class Comparison:
     calibrated: bool = False  # the plan's compute times came from `pipec profile`
     # Per pipeline device, the predicted peak by term (plan.json predicted.memory_terms).
     memory_terms: tuple[dict[str, float], ...] = ()
+    # The steps were timed while memory was measured (a short CPU run): slower than training.
+    timed_under_memory: bool = False
 
 
 def compare(out: Path, metrics_path: Path) -> Comparison:
@@ -93,7 +95,9 @@ def _compare(plan: dict[str, Any], metrics: dict[str, Any]) -> Comparison:
                             plan["predicted"]["bubble"], idle,
                             tuple(plan["predicted"]["peak_memory_bytes"]), memory,
                             metrics["device_type"], (), plan.get("calibration") is not None,
-                            tuple(plan["predicted"].get("memory_terms", ())))
+                            tuple(plan["predicted"].get("memory_terms", ())),
+                            any(r.get("time_measure", "").startswith("steps slowed")
+                                for r in metrics["ranks"]))
     return Comparison(**{**comparison.__dict__, "findings": findings(comparison)})
 
 
@@ -105,6 +109,10 @@ def _largest(values: list[float | None]) -> float | None:
 def findings(c: Comparison) -> tuple[str, ...]:
     """Which assumption is off, most basic first."""
     found = []
+    if c.timed_under_memory:
+        found.append("timing: these steps were timed while memory was measured, which slows "
+                     "a CPU run (glibc maps every large block afresh); run train.py --metrics "
+                     "for more than 4 steps to time the steps after the memory measurement")
     predicted = sum(s.predicted_fwd_s + s.predicted_bwd_s for s in c.stages)
     measured = sum(s.measured_fwd_s + s.measured_bwd_s for s in c.stages)
     overall = measured / max(predicted, 1e-12)

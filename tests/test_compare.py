@@ -16,17 +16,18 @@ from pipec.errors import MetricsError
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """A 2-stage GPT plan and the metrics of 4 steps of it on 2 forked processes."""
+    """A 2-stage GPT plan and the metrics of 6 steps of it on 2 forked processes."""
     root = tmp_path_factory.mktemp("compare")
     compile_to(SAMPLES / "gpt.py", root / "o", gpus=2, batch_size=16, micro_batch=4,
                schedule="1f1b")
-    run_forked(root / "o", 2, "--steps", "4", "--metrics", str(root / "m.json"))
+    run_forked(root / "o", 2, "--steps", "6", "--metrics", str(root / "m.json"))
     return root / "o", root / "m.json"
 
 
 def test_metrics_file_has_every_stage_and_rank(measured: tuple[Path, Path]) -> None:
     metrics = json.loads(measured[1].read_text())
-    assert metrics["steps"] == 3  # the first step is a warm-up
+    # On a CPU the first 3 steps measure memory, the 4th warms up again, the rest are timed.
+    assert metrics["steps"] == 2
     assert [s["index"] for s in metrics["stages"]] == [0, 1]
     assert all(s["forward_s"] > 0 and s["backward_s"] > 0 for s in metrics["stages"])
     assert sorted(r["rank"] for r in metrics["ranks"]) == [0, 1]
@@ -35,7 +36,28 @@ def test_metrics_file_has_every_stage_and_rank(measured: tuple[Path, Path]) -> N
         # Measured on CPU too: above the process's baseline (some 200 MiB), a few MiB here.
         assert rank["memory_measure"] == "peak RSS less file-backed pages"
         assert 2**20 < rank["peak_memory_bytes"] < 64 * 2**20 < rank["baseline_memory_bytes"]
+        assert rank["time_measure"] == "training steps"
     assert metrics["samples_per_s"] == pytest.approx(16 / metrics["step_s"])
+
+
+def test_a_short_cpu_run_says_its_steps_were_timed_under_the_memory_measurement(
+        measured: tuple[Path, Path], tmp_path: Path) -> None:
+    out, long_run = measured
+    run_forked(out, 2, "--steps", "3", "--metrics", str(tmp_path / "short.json"))
+    short = json.loads((tmp_path / "short.json").read_text())
+    assert short["steps"] == 2 and all(
+        r["time_measure"].startswith("steps slowed by the memory measurement")
+        for r in short["ranks"])
+    # The same allocations measured either way: the peak does not depend on the run's length
+    # (within glibc's heap under small tensors, which moves this small model's peak by ~1 MiB).
+    for rank in short["ranks"]:
+        other = next(r for r in json.loads(long_run.read_text())["ranks"]
+                     if r["rank"] == rank["rank"])
+        assert rank["peak_memory_bytes"] == pytest.approx(other["peak_memory_bytes"],
+                                                          abs=1.5 * 2**20)
+    assert any(f.startswith("timing: these steps were timed while memory was measured")
+               for f in compare(out, tmp_path / "short.json").findings)
+    assert not any(f.startswith("timing:") for f in compare(out, long_run).findings)
 
 
 def test_compare_puts_prediction_and_measurement_side_by_side(
