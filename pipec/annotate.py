@@ -73,7 +73,8 @@ def annotate(traced: Traced, spec: ModelSpec, autocast_device: str = "cuda",
                    for n in gm.graph.nodes if n.name in made_and_used
                    and isinstance(one[n.name].value, torch.Tensor))
     ratios = _value_ratios(values)
-    nodes = tuple(replace(c, bf16=_bf16_costs(n, c, autocast, ratios, sizes))
+    nodes = tuple(replace(c, bf16=_bf16_costs(n, c, autocast, ratios, sizes),
+                          batch_norm_channels=_batch_norm_channels(gm, n))
                   for n, c in zip(compute, nodes, strict=True))
     outputs = [_model_output(gm, measured) for measured in (one, two)]
     loss = _loss_cost(spec, outputs, [targets for _, targets in batches])
@@ -181,6 +182,14 @@ def _sum_linear(items: Iterator[Linear] | Sequence[Linear]) -> Linear:
         fixed += item.fixed
         per_sample += item.per_sample
     return Linear(fixed, per_sample)
+
+def _batch_norm_channels(gm: fx.GraphModule, n: fx.Node) -> int:
+    """The channels of a BatchNorm module node (0 for any other node): what a synchronized
+    BatchNorm all-reduces per micro-batch."""
+    if n.op != "call_module":
+        return 0
+    module = gm.get_submodule(str(n.target))
+    return int(module.num_features) if isinstance(module, nn.modules.batchnorm._BatchNorm) else 0
 
 def _owner(n: fx.Node) -> str:
     if n.op == "call_module":

@@ -27,12 +27,14 @@ from typing import Any
 import numpy as np
 import torch
 from torch import fx, nn
+from torch.nn import functional as F
 
 from pipec.annotate import COMPUTE_OPS, CostGraph, annotate
 from pipec.costmodel import Calibration, Fit, NodeTiming
 from pipec.errors import ConfigError, TraceError
 from pipec.loader import load_model_file
 from pipec.normalize import group_norm_rewrites, to_group_norm
+from pipec.probe import side_by_side
 from pipec.tensors import flat_tensors
 from pipec.trace import Traced, batch_inputs, trace_model
 
@@ -40,6 +42,7 @@ log = logging.getLogger(__name__)
 
 PROFILE_SIZES = (1, 2, 4, 8, 16, 32, 64)
 PROFILE_NORMS = ("group", "keep")
+MAX_REPEATS = 200  # however long min_seconds asks
 
 
 @dataclass(frozen=True)
@@ -56,9 +59,15 @@ class Sample:
 
 
 def profile_model(model: Path, batch_size: int, device: str = "cpu", repeats: int = 10,
-                  norm: str = "group") -> tuple[Calibration, tuple[Sample, ...]]:
+                  norm: str = "group", precision: str = "fp32", min_seconds: float = 0.0,
+                  processes: int = 1) -> tuple[Calibration, tuple[Sample, ...]]:
     """Time ``model`` at micro-batch sizes 1, 2, 4, … up to ``batch_size``. ``norm``: "group"
-    times each BatchNorm as the GroupNorm a pipelined plan runs (`--norm auto`), "keep" as is."""
+    times each BatchNorm as the GroupNorm a pipelined plan runs (`--norm auto`), "keep" as is;
+    ``precision`` "bf16": the forward runs under bf16 autocast, as train.py runs it. At least
+    ``repeats`` passes per size, and more until ``min_seconds`` have passed: a machine whose
+    speed drifts by the second (a shared or virtual one) is averaged over that time. With
+    ``processes`` > 1, how much slower a pass runs with that many side by side (this machine's
+    processes share it) is measured too (`Calibration.contention`)."""
     target = _device(device)
     if norm not in PROFILE_NORMS:
         raise ConfigError(f"--norm {norm!r}: use group (as pipelined plans run) or keep")
@@ -71,12 +80,90 @@ def profile_model(model: Path, batch_size: int, device: str = "cpu", repeats: in
         _to_group_norms(real, traced, graph)
     real = real.to(target).train()
     sizes = [s for s in PROFILE_SIZES if s <= batch_size] or [batch_size]
-    inputs = {size: tuple(t.to(target) for t in batch_inputs(spec, size)[0]) for size in sizes}
-    seconds, overhead = _time_in_context(real, inputs, repeats, target)
+    batches = {size: batch_inputs(spec, size) for size in sizes}
+    inputs = {size: tuple(t.to(target) for t in batch[0]) for size, batch in batches.items()}
+    if precision not in ("fp32", "bf16"):
+        raise ConfigError(f"--precision {precision!r}: use fp32 or bf16")
+    seconds, overhead = _time_in_context(real, inputs, repeats, target, precision == "bf16",
+                                         min_seconds)
     samples = [sample for size in sizes for sample in _samples(graph, size, seconds[size])]
     forward, backward = fit_samples(samples)
-    return (Calibration(target.type, forward, backward, _timings(graph, samples), overhead),
+    middle = sizes[len(sizes) // 2]
+    contention = side_by_side(lambda: _one_pass(real, inputs[middle], target), processes)
+    loss = _loss_timing(real, inputs, {size: b[1] for size, b in batches.items()},
+                        getattr(spec.module, "loss_fn", F.cross_entropy), target, repeats)
+    return (Calibration(target.type, forward, backward, _timings(graph, samples), overhead,
+                        contention=contention, data_s=_data_seconds(spec, sizes), loss=loss),
             tuple(samples))
+
+
+def _loss_timing(gm: nn.Module, inputs: dict[int, tuple[torch.Tensor, ...]],
+                 targets: dict[int, Any], loss_fn: Any, device: torch.device, repeats: int
+                 ) -> NodeTiming:
+    """The model file's loss, forward and backward, on the model's real output at each size:
+    what train.py's last stage runs after its nodes (the median of ``repeats`` + 1 runs)."""
+    fwd, bwd = [], []
+    for size, batch in inputs.items():
+        with torch.no_grad():
+            output = fx.node.map_aggregate(gm(*batch), _leaf)
+        target = fx.node.map_aggregate(targets[size], _to(device))
+        times = np.array([_loss_pass(loss_fn, output, target, device)
+                          for _ in range(repeats + 1)])[1:]
+        fwd.append(float(np.median(times[:, 0])))
+        bwd.append(float(np.median(times[:, 1])))
+    return NodeTiming("loss", "loss_fn", tuple(inputs), tuple(fwd), tuple(bwd))
+
+
+def _leaf(value: Any) -> Any:
+    return value.detach().requires_grad_(value.is_floating_point()) if isinstance(
+        value, torch.Tensor) else value
+
+
+def _to(device: torch.device) -> Any:
+    return lambda value: value.to(device) if isinstance(value, torch.Tensor) else value
+
+
+def _loss_pass(loss_fn: Any, output: Any, target: Any, device: torch.device
+               ) -> tuple[float, float]:
+    clock = _Clock(device)
+    started = clock.now()
+    loss = loss_fn(output, target)
+    backward_started = clock.now()
+    loss.backward()
+    return backward_started - started, clock.now() - backward_started
+
+
+def _data_seconds(spec: Any, sizes: list[int]) -> tuple[float, float]:
+    """What train.py's synthetic data costs: sample_batch timed at each size (the median of 5),
+    fitted as fixed seconds + seconds per sample. A model file with train_dataset() reads its
+    own data, which is not timed: (0, 0)."""
+    if hasattr(spec.module, "train_dataset"):
+        return (0.0, 0.0)
+    seconds = []
+    for size in sizes:
+        trials = []
+        for _ in range(5):
+            started = time.perf_counter()
+            spec.sample_batch(size)
+            trials.append(time.perf_counter() - started)
+        seconds.append(float(np.median(trials)))
+    if len(sizes) == 1:
+        return (0.0, seconds[0] / sizes[0])
+    per_sample, fixed = np.polyfit(sizes, seconds, 1)
+    return (max(float(fixed), 0.0), max(float(per_sample), 0.0))
+
+
+class _Autocast(nn.Module):
+    """``module`` with its forward under bf16 autocast, as train.py runs it under
+    ``--precision bf16``."""
+
+    def __init__(self, module: nn.Module, device: torch.device) -> None:
+        super().__init__()
+        self.module, self.device_type = module, device.type
+
+    def forward(self, *inputs: Any) -> Any:
+        with torch.autocast(self.device_type, dtype=torch.bfloat16):
+            return self.module(*inputs)
 
 
 def _fx_trace(spec: Any) -> Traced:
@@ -162,7 +249,8 @@ def _instrumented(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def _time_in_context(gm: fx.GraphModule, inputs: dict[int, tuple[torch.Tensor, ...]],
-                     repeats: int, device: torch.device
+                     repeats: int, device: torch.device, bf16: bool = False,
+                     min_seconds: float = 0.0
                      ) -> tuple[dict[int, np.ndarray], tuple[float, float]]:
     """Seconds of every compute node in a training pass at each micro-batch size, shape
     (2, nodes), forward then backward, the median of ``repeats`` passes after a warm-up; and
@@ -174,21 +262,29 @@ def _time_in_context(gm: fx.GraphModule, inputs: dict[int, tuple[torch.Tensor, .
     instrumented ones, give the real forward and backward totals; less the fixed cost, the
     difference is taken off the nodes evenly.
     """
-    instrumented, trivial = _instrumented(gm), _Trivial().to(device)
+    instrumented: nn.Module = _instrumented(gm)
+    plain: nn.Module = gm
+    trivial: nn.Module = _Trivial().to(device)
+    if bf16:
+        instrumented, plain, trivial = (_Autocast(m, device) for m in (instrumented, gm, trivial))
     nodes = sum(n.op in COMPUTE_OPS for n in gm.graph.nodes)
     timed: dict[int, list[np.ndarray]] = {size: [] for size in inputs}
-    plain: dict[int, list[np.ndarray]] = {size: [] for size in inputs}
+    totals: dict[int, list[np.ndarray]] = {size: [] for size in inputs}
     fixed: list[np.ndarray] = []
-    for repeat in range(repeats + 1):
+    started = time.perf_counter()
+    for repeat in itertools.count():
+        if repeat > repeats and (time.perf_counter() - started >= min_seconds
+                                 or repeat > MAX_REPEATS):
+            break
         for size, batch in inputs.items():
             timed[size].append(_per_node(instrumented, batch, nodes, device))
-            plain[size].append(_totals(gm, batch, device))
+            totals[size].append(_totals(plain, batch, device))
             fixed.append(_totals(trivial, (torch.ones(1, device=device),), device))
-        log.info("profiled pass %d of %d at micro-batch sizes %s", repeat, repeats,
-                 ", ".join(map(str, inputs)))
+        log.info("profiled pass %d (at least %d, and %.0f s) at micro-batch sizes %s", repeat,
+                 repeats, min_seconds, ", ".join(map(str, inputs)))
     overhead = np.median(fixed[len(inputs):], axis=0)
     seconds = {size: _corrected(np.median(timed[size][1:], axis=0),
-                                np.median(plain[size][1:], axis=0) - overhead)
+                                np.median(totals[size][1:], axis=0) - overhead)
                for size in inputs}
     return seconds, (float(overhead[0]), float(overhead[1]))
 
@@ -241,7 +337,7 @@ def _totals(gm: nn.Module, inputs: tuple[torch.Tensor, ...], device: torch.devic
     return np.array([backward_started - started, ended - backward_started])
 
 
-def _per_node(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...], nodes: int,
+def _per_node(gm: nn.Module, inputs: tuple[torch.Tensor, ...], nodes: int,
               device: torch.device) -> np.ndarray:
     """Seconds of each node of an instrumented graph in one pass, shape (2, nodes)."""
     clock, started, _, ended = _one_pass(gm, inputs, device)
@@ -330,8 +426,12 @@ def load_calibration(path: Path) -> Calibration:
         data = json.loads(path.read_text())
         nodes = tuple(_node_timing(t) for t in data.get("nodes", ()))
         overhead = tuple(map(float, data.get("stage_overhead_s", (0.0, 0.0))))
+        data_s = tuple(map(float, data.get("data_s", (0.0, 0.0))))
+        loss = _node_timing(data["loss"]) if data.get("loss") else None
         return Calibration(str(data["device"]), Fit(**data["forward"]), Fit(**data["backward"]),
-                           nodes, (overhead[0], overhead[1]))
+                           nodes, (overhead[0], overhead[1]),
+                           str(data.get("source", "pipec profile")),
+                           float(data.get("contention", 1.0)), (data_s[0], data_s[1]), loss)
     except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
         raise ConfigError(f"calibration file {path}: {exc}; make one with pipec profile") from None
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,8 +22,9 @@ from pipec.driver import CompileOptions, compile_model
 from pipec.errors import ConfigError, PipecError
 from pipec.hardware import DEFAULT, PRESETS
 from pipec.inspection import inspect_model, render_json, render_table
+from pipec.measured import MEASURE_CHOICES
 from pipec.normalize import NORM_CHOICES
-from pipec.planner import STRATEGIES
+from pipec.planner import STRATEGIES, Plan
 from pipec.schedule import SCHEDULES
 from pipec.trace import FRONTENDS
 
@@ -32,6 +34,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
                         format="pipec: %(message)s")
+    logging.getLogger("pipec.measured").setLevel(logging.INFO)  # a measurement takes seconds
     try:
         return int(args.run(args))
     except PipecError as exc:
@@ -60,6 +63,13 @@ def _auto_or_int(text: str) -> int | None:
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected 'auto' or an integer, got {text!r}") from None
     return value
+
+
+def _percent(text: str) -> float:
+    try:
+        return float(text.removesuffix("%")) / 100
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a percentage, e.g. 5, got {text!r}") from None
 
 
 def _add_compile(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -94,6 +104,15 @@ def _add_compile(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="(fp32)")
     p.add_argument("--calibration", type=Path, default=None,
                    help="compute times measured by pipec profile (JSON) instead of the preset's")
+    p.add_argument("--measure", choices=MEASURE_CHOICES,
+                   default=os.environ.get("PIPEC_MEASURE", "auto"),
+                   help="auto: when --hardware is this machine's kind (cpu here), time the "
+                   "model here once and cache it (in $PIPEC_CACHE_DIR or ~/.cache/pipec); "
+                   "off: the preset's roofline (default: $PIPEC_MEASURE, else auto)")
+    p.add_argument("--margin", type=_percent, default=None, metavar="PERCENT",
+                   help="a more complex plan (interleaving, more stages, a smaller micro-batch) "
+                   "must be predicted this much faster than a simpler one to win (default: the "
+                   "time model's measured error, 5 %% with measured times, 10 %% from a preset)")
     p.add_argument("--strategy", choices=STRATEGIES, default="pipec",
                    help="emit pipec's plan (default) or a baseline's, to compare them")
     p.add_argument("--frontend", choices=FRONTENDS, default="auto",
@@ -199,15 +218,24 @@ def _run_compile(args: argparse.Namespace) -> int:
         batch_size=args.batch_size, hardware=args.hardware, pp=args.pp,
         micro_batch=args.micro_batch, schedule=args.schedule, norm=args.norm,
         norm_groups=args.norm_groups, optimizer=args.optimizer, precision=args.precision,
-        calibration=args.calibration, strategy=args.strategy,
-        virtual_stages=args.virtual_stages, frontend=args.frontend, onnx=args.onnx,
-        force=args.force)
+        calibration=args.calibration, measure=args.measure, strategy=args.strategy,
+        virtual_stages=args.virtual_stages, margin=args.margin, frontend=args.frontend,
+        onnx=args.onnx, force=args.force)
     plan, emitted = compile_model(options)
     print(f"pipec: wrote {emitted.out}/ ({', '.join(emitted.files)}): {len(plan.stages)} "
           f"stage(s) on {plan.pp} pipeline device(s) × {plan.dp} replica(s), micro-batch "
           f"{plan.micro_batch}, {plan.schedule}, predicted "
-          f"{plan.samples_per_s:,.1f} samples/s")
+          f"{plan.samples_per_s:,.1f} samples/s ({_time_basis(plan)})")
     return 0
+
+
+def _time_basis(plan: Plan) -> str:
+    calibration = plan.request.calibration
+    if calibration is None:
+        return f"from the {plan.request.hardware} roofline"
+    if calibration.source == "pipec profile":
+        return f"from times measured by pipec profile on {calibration.device}"
+    return "from times " + calibration.source
 
 
 if __name__ == "__main__":

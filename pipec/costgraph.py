@@ -54,6 +54,9 @@ class NodeCost:
     # Alive while the node's backward runs: the gradient of its output and those of its inputs.
     working_bytes: Linear = Linear(0.0, 0.0)
     bf16: Bf16Costs = Bf16Costs()  # under --precision bf16
+    # A BatchNorm's channels (0: not a BatchNorm): synchronized across replicas, it all-reduces
+    # its statistics forward and their gradients backward, once per micro-batch.
+    batch_norm_channels: int = 0
 
 @dataclass(frozen=True)
 class LossCost:

@@ -21,6 +21,11 @@ from pipec.hardware import Device
 # gradients and optimizer state stay fp32 under autocast.
 GRADIENT_RATIO = 1.0
 OPTIMIZER_STATE_RATIO = {"sgd": 1.0, "adamw": 2.0}
+# Bytes an optimizer step reads and writes per parameter byte: SGD with momentum reads the
+# weight, gradient and momentum and writes the weight and momentum (5); PyTorch's foreach AdamW
+# does the same with two moments (7) plus its temporaries: measured here at 0.85-1.6 ns per
+# parameter byte at 10 GB/s, about 12.
+OPTIMIZER_TRAFFIC = {"sgd": 5.0, "adamw": 12.0}
 AUTOCAST_COPY_RATIO = {"fp32": 0.0, "bf16": 0.5}
 
 
@@ -73,13 +78,23 @@ class Calibration:
     # A stage's own cost per micro-batch, forward and backward, besides its nodes' (calling
     # it, starting autograd's engine): paid once per stage, however the model is split.
     stage_overhead_s: tuple[float, float] = (0.0, 0.0)
+    # Where the times come from, for the report: the command that measured them, and where.
+    source: str = "pipec profile"
+    # Measured times alone × this: the slowdown when every local training process computes at
+    # once (they share the machine's cores and memory bandwidth; pipec.probe measures it).
+    contention: float = 1.0
+    # Making one step's data (the model file's sample_batch): fixed seconds, seconds per sample.
+    data_s: tuple[float, float] = (0.0, 0.0)
+    # The model file's loss on the profiled model's output, forward and backward (None: not
+    # measured); the last stage runs it after its nodes.
+    loss: NodeTiming | None = None
 
     def bind(self, graph: CostGraph) -> Calibration:
-        """This calibration for ``graph``: its node timings kept only if they are of ``graph``
-        (the same nodes, in the same order)."""
+        """This calibration for ``graph``: its node timings (and its model's loss and data)
+        kept only if they are of ``graph`` (the same nodes, in the same order)."""
         same = [(n.name, n.target) for n in graph.nodes] == [(t.node, t.target)
                                                              for t in self.nodes]
-        return self if same else replace(self, nodes=())
+        return self if same else replace(self, nodes=(), loss=None, data_s=(0.0, 0.0))
 
 
 def _interpolate(sizes: tuple[int, ...], seconds: tuple[float, ...], micro_batch: int) -> float:
@@ -179,11 +194,17 @@ def _calibrated(graph: CostGraph, calibration: Calibration, micro_batch: int,
                 ) -> tuple[np.ndarray, np.ndarray]:
     """Forward and backward seconds per node: measured on this graph, or fitted."""
     timings = calibration.bind(graph).nodes
+    scale = calibration.contention
     if timings:
-        fwd, bwd = zip(*(t.at(micro_batch) for t in timings), strict=True)
-        return np.array(fwd), np.array(bwd)
-    return (calibration.forward.seconds(fwd_flops, moved),
-            calibration.backward.seconds(bwd_flops, moved))
+        fwd, bwd = (np.array(times) for times in zip(*(t.at(micro_batch) for t in timings),
+                                                        strict=True))
+        if calibration.loss is not None:  # the profiled model's own loss, on the last stage
+            loss_fwd, loss_bwd = calibration.loss.at(micro_batch)
+            fwd[-1] += loss_fwd
+            bwd[-1] += loss_bwd
+        return fwd * scale, bwd * scale
+    return (calibration.forward.seconds(fwd_flops, moved) * scale,
+            calibration.backward.seconds(bwd_flops, moved) * scale)
 
 
 def boundary_s(cut_bytes: np.ndarray, device: Device, inter_node: bool) -> np.ndarray:
@@ -332,9 +353,19 @@ def _data_bytes(arrays: NodeArrays, role: StageRole) -> tuple[float, float]:
 
 def allreduce_s(grad_bytes: float, replicas: int, device: Device, inter_node: bool = False
                 ) -> float:
-    """Ring all-reduce of the gradients over ``replicas`` devices: 2(d−1)/d · bytes / bandwidth,
-    over the inter-node links when the group spans nodes."""
+    """Ring all-reduce over ``replicas`` devices: 2(d−1) steps, each paying the link's latency,
+    moving 2(d−1)/d · bytes in all (Patarasuk & Yuan 2009), over the inter-node links when the
+    group spans nodes; within a node, at the device's measured all-reduce bus bandwidth where
+    known (gloo reduces on the CPU: slower than its links)."""
     if replicas == 1:
         return 0.0
-    bandwidth = device.inter_node_bandwidth if inter_node else device.intra_node_bandwidth
-    return 2 * (replicas - 1) / replicas * grad_bytes / bandwidth
+    latency = device.inter_node_latency_s if inter_node else device.intra_node_latency_s
+    bandwidth = (device.inter_node_bandwidth if inter_node
+                 else device.allreduce_bandwidth or device.intra_node_bandwidth)
+    steps = 2 * (replicas - 1)
+    return steps * latency + steps / replicas * grad_bytes / bandwidth
+
+
+def optimizer_s(param_bytes: float, optimizer: str, device: Device) -> float:
+    """One optimizer step over ``param_bytes`` of fp32 weights: memory-bound."""
+    return param_bytes * OPTIMIZER_TRAFFIC[optimizer] / device.memory_bandwidth

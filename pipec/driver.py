@@ -13,6 +13,7 @@ from pipec.emit import Emitted, emit
 from pipec.errors import ConfigError
 from pipec.hardware import DEFAULT, Device, load_devices
 from pipec.loader import ModelSpec, load_model_file
+from pipec.measured import MEASURE_CHOICES, measure_locally
 from pipec.normalize import plan_norms
 from pipec.onnx_export import export_stages, require_onnx
 from pipec.planner import Plan, PlanRequest, plan
@@ -38,8 +39,10 @@ class CompileOptions:
     optimizer: str = "sgd"
     precision: str = "fp32"
     calibration: Path | None = None
+    measure: str = "auto"  # "auto": time the model here when the devices are this machine's
     strategy: str = "pipec"
     virtual_stages: int | None = None
+    margin: float | None = None  # a fraction; None: the time model's measured error
     frontend: str = "auto"
     onnx: bool = False
     force: bool = False
@@ -61,7 +64,19 @@ def analyze(options: CompileOptions) -> Analyzed:
     traced = trace_model(spec, options.frontend)
     graph = annotate(traced, spec, autocast_device=_device_type(request.devices),
                      bf16_memory=options.precision == "bf16")
-    return Analyzed(spec, traced, graph, _bind_calibration(request, graph))
+    return Analyzed(spec, traced, graph, _bind_calibration(_measured(request, options), graph))
+
+
+def _measured(request: PlanRequest, options: CompileOptions) -> PlanRequest:
+    """Times measured on this machine (pipec.measured) unless a calibration file was given, the
+    user said --measure off, or the devices are another kind (their preset stands)."""
+    if options.measure == "off" or request.calibration is not None:
+        return request
+    local = measure_locally(options.model, request.devices, options.gpus // options.nodes,
+                            options.batch_size, options.precision, options.norm)
+    if local is None:
+        return request
+    return replace(request, calibration=local.calibration, devices=local.devices)
 
 
 def _device_type(devices: tuple[Device, ...]) -> str:
@@ -113,6 +128,11 @@ def _request(options: CompileOptions) -> PlanRequest:
     if options.virtual_stages is not None and options.virtual_stages < 2:
         raise ConfigError(f"--virtual-stages {options.virtual_stages}: interleaving needs 2 or "
                           "more stages per device")
+    if options.margin is not None and not 0 <= options.margin < 1:
+        raise ConfigError(f"--margin {options.margin:.0%}: give a percentage from 0 to 99 (0: "
+                          "the fastest predicted plan, however close the runner-up)")
+    if options.measure not in MEASURE_CHOICES:
+        raise ConfigError(f"--measure {options.measure!r}: use auto or off")
     if options.precision not in ("fp32", "bf16"):
         raise ConfigError(f"--precision {options.precision!r}: use fp32 or bf16")
     return PlanRequest(
@@ -121,7 +141,8 @@ def _request(options: CompileOptions) -> PlanRequest:
         devices=_devices(options),
         training=Training(options.optimizer, options.precision),
         calibration=load_calibration(options.calibration) if options.calibration else None,
-        strategy=options.strategy, virtual_stages=options.virtual_stages)
+        strategy=options.strategy, virtual_stages=options.virtual_stages, margin=options.margin,
+        norm=options.norm)
 
 
 def _devices(options: CompileOptions) -> tuple[Device, ...]:

@@ -25,6 +25,7 @@ from pipec.planfile import plan_dict, plan_id
 from pipec.planner import Plan, PlanRequest
 from pipec.report import (
     baseline_table,
+    decision_text,
     max_batch_table,
     norm_table,
     search_table,
@@ -98,6 +99,8 @@ def _context(spec: ModelSpec, traced: Traced, plan: Plan, norms: NormPlan,
         "predicted_iteration": duration(plan.iteration_s),
         "predicted_throughput": f"{plan.samples_per_s:,.1f}",
         "predicted_bubble": f"{plan.idle_share:.1%}",
+        "step_terms": ", ".join(f"{name.replace('_', '-')} {duration(seconds)}"
+                                for name, seconds in plan.step_terms.items()),
         "time_source": _time_source(request) + _runtime_overhead(request),
         "run_commands": run_commands(plan), "norm_choice": norms.choice,
         "plan_id": identity,
@@ -108,6 +111,9 @@ def _time_source(request: PlanRequest) -> str:
     calibration = request.calibration
     if calibration is None:
         return f"the `{request.hardware}` roofline"
+    if calibration.source != "pipec profile":
+        kind = "this model's node times" if calibration.nodes else "constants fitted to times"
+        return f"{kind} {calibration.source}"
     if calibration.nodes:
         return f"this model's node times measured by `pipec profile` ({calibration.device})"
     return f"constants fitted by `pipec profile` ({calibration.device})"
@@ -139,6 +145,7 @@ def _report_context(plan: Plan, norms: NormPlan) -> dict[str, Any]:
     return {
         "stage_table": stage_table(plan), "search_table": search_table(plan),
         "baseline_table": baseline_table(plan), "norm_table": norm_table(norms),
+        "decision": decision_text(plan),
         "max_batch_table": max_batch_table(plan),
         "num_candidates": len(plan.candidates), "num_pruned": plan.pruned,
         "num_fitting": sum(c.feasible for c in plan.candidates),

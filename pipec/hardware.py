@@ -49,6 +49,8 @@ class Device:
     # and learning-rate steps, the step's data). 0: not measured for this device.
     action_overhead_s: float = 0.0
     step_overhead_s: float = 0.0
+    # Bus bandwidth of an all-reduce within a node, bytes/s (0: the intra-node link's).
+    allreduce_bandwidth: float = 0.0
 
 
 # PyTorch's cuBLAS workspace, allocated once per handle and stream through its caching allocator

@@ -20,14 +20,17 @@ import inspect
 import logging
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from pipec.costgraph import CostGraph
 from pipec.errors import ConfigError
-from pipec.planner import Plan
 from pipec.trace import Traced
+
+if TYPE_CHECKING:
+    from pipec.planner import Plan
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +78,7 @@ def plan_norms(traced: Traced, graph: CostGraph, *, plan: Plan, choice: str = "a
         raise ConfigError(f"--norm {choice!r} is not supported; use one of "
                           f"{', '.join(NORM_CHOICES)}")
     batch_norms = _batch_norms(traced)
-    applied = _resolve(choice, plan.pp, plan.dp)
+    applied = resolve_norm(choice, plan.pp, plan.dp)
     if applied in ("keep", "sync") and plan.pp > 1 and batch_norms:
         log.warning("--norm %s with %d stages: each BatchNorm normalizes over one micro-batch "
                     "of %d samples at a time%s", choice, plan.pp, plan.micro_batch,
@@ -134,7 +137,8 @@ def _spatial_sizes(graph: CostGraph) -> dict[str, int]:
             if n.op == "call_module" and n.shape}
 
 
-def _resolve(choice: str, pp: int, dp: int) -> str:
+def resolve_norm(choice: str, pp: int, dp: int) -> str:
+    """What ``--norm choice`` does to BatchNorm under pp stages × dp replicas."""
     if choice != "auto":
         return choice
     if pp > 1:

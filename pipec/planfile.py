@@ -38,6 +38,7 @@ def plan_dict(plan: Plan, norms: NormPlan, traced: Traced) -> dict[str, Any]:
         "predicted": {
             "iteration_s": plan.iteration_s, "samples_per_s": plan.samples_per_s,
             "bubble": plan.idle_share,  # of the whole step, all-reduce and runtime included
+            "step_terms": plan.step_terms,  # seconds besides the schedule, by term
             "runtime_overhead_s": {
                 "per_action": max(d.action_overhead_s for d in request.devices),
                 "per_step": max(d.step_overhead_s for d in request.devices)},
@@ -48,6 +49,7 @@ def plan_dict(plan: Plan, norms: NormPlan, traced: Traced) -> dict[str, Any]:
                              for d in range(plan.pp)],
         },
         "virtual_stages": plan.virtual_stages,
+        "decision": _decision(plan),
         "devices": [d.name for d in request.devices],
         "search": {"evaluated": len(plan.candidates), "pruned": plan.pruned},
         "candidates": [{
@@ -71,6 +73,20 @@ def plan_dict(plan: Plan, norms: NormPlan, traced: Traced) -> dict[str, Any]:
         "norm_rewrites": [{"module": r.module, "from": r.from_, "to": r.to, "groups": r.groups}
                           for r in norms.rewrites],
     }
+
+
+def _decision(plan: Plan) -> dict[str, Any] | None:
+    """The margin a more complex plan needed, and the runner-up (null under --strategy)."""
+    decision = plan.decision
+    if decision is None:
+        return None
+    runner = decision.runner_up
+    return {"margin": decision.margin, "kept_simpler": decision.kept_simpler,
+            "runner_up": None if runner is None else {
+                "pp": runner.pp, "dp": runner.dp, "micro_batch": runner.micro_batch,
+                "schedule": runner.schedule, "virtual_stages": runner.virtual_stages,
+                "samples_per_s": runner.samples_per_s,
+                "step_time_relative": decision.runner_up_relative}}
 
 
 def _memory_terms(memory: StageMemory | None) -> dict[str, float]:

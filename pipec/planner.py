@@ -3,10 +3,11 @@
 For every split of the devices into pp pipeline positions × dp replicas, every micro-batch size m
 dividing the per-replica batch and every schedule (interleaved: v stages per device), the DP
 picks the stage boundaries that minimize the slowest stage under each device's memory; the
-schedule simulator then gives the iteration time. The fastest feasible candidate wins.
-
-The search is branch and bound (``pipec.planning.search``); the baselines, the maximum batch
-and the rest live in ``pipec.planning``, one concept per module. This module is the entry point
+schedule simulator then gives the iteration time. The fastest feasible candidate wins, unless
+a simpler one (no interleaving, fewer stages, a larger micro-batch) is predicted within the time
+model's measured error of it (``pipec.planning.choice``). The search is branch and bound
+(``pipec.planning.search``); the baselines, the maximum batch and the rest live in
+``pipec.planning``, one concept per module. This module is the entry point
 (``plan``) and re-exports the request and result types.
 """
 
@@ -18,8 +19,16 @@ from pipec.annotate import CostGraph
 from pipec.errors import ConfigError, InfeasibleError
 from pipec.planning.balance import STRATEGIES, uniform_boundaries
 from pipec.planning.baselines import adopt, baselines
+from pipec.planning.choice import Decision, decision_margin
 from pipec.planning.costs import Costs, Layout, Point
-from pipec.planning.evaluate import Evaluated, stage_bwd_s, stage_fwd_s, timeline, unlimited
+from pipec.planning.evaluate import (
+    Evaluated,
+    stage_bwd_s,
+    stage_fwd_s,
+    step_terms,
+    timeline,
+    unlimited,
+)
 from pipec.planning.layouts import VIRTUAL_STAGES, layouts_to_search, points
 from pipec.planning.maxbatch import MAX_BATCH_FACTOR, max_batches
 from pipec.planning.search import search
@@ -33,6 +42,7 @@ __all__ = [
     "VIRTUAL_STAGES",
     "Baseline",
     "Candidate",
+    "Decision",
     "MaxBatch",
     "Plan",
     "PlanRequest",
@@ -47,12 +57,12 @@ def plan(graph: CostGraph, request: PlanRequest) -> Plan:
     _check(request)
     costs = Costs(graph, request)
     layouts = layouts_to_search(costs)
-    found = search(costs, points(costs, layouts))
+    found = search(costs, points(costs, layouts), decision_margin(request))
     if found.best is None:
         raise _infeasible(costs, layouts[-1])
     searched = Layout(found.best.layout.pp, found.best.layout.dp)
     compared = baselines(costs, searched)
-    chosen = adopt(found.best, compared, request)
+    chosen, decision = adopt(costs, found.near, compared)
     limit = MAX_BATCH_FACTOR * request.global_batch
     return Plan(
         request=request, pp=chosen.layout.pp, dp=chosen.layout.dp,
@@ -63,7 +73,8 @@ def plan(graph: CostGraph, request: PlanRequest) -> Plan:
         baselines=tuple(b.summary for b in compared),
         max_batch=max_batches(costs, searched, limit), max_batch_limit=limit,
         virtual_stages=chosen.layout.virtual, pruned=found.pruned,
-        device_memory_bytes=chosen.memory)
+        device_memory_bytes=chosen.memory, decision=decision,
+        step_terms=step_terms(costs, chosen))
 
 
 def _check(request: PlanRequest) -> None:

@@ -38,6 +38,25 @@ def search_table(plan: Plan) -> str:
     return tabulate(rows, headers, tablefmt="github")
 
 
+def decision_text(plan: Plan) -> str:
+    """Why this plan and not the runner-up: their predicted margin against the model's error."""
+    decision = plan.decision
+    if decision is None:
+        return f"Emitted as `--strategy {plan.request.strategy}` asked."
+    margin = f"the time model's measured error, ±{decision.margin:.0%} (docs/fidelity.md)"
+    runner = decision.runner_up
+    if runner is None:
+        return (f"No other plan fits what was asked. A more complex plan would have to win by "
+                f"more than {margin}.")
+    label = (f"{runner.pp}×{runner.dp}, micro-batch {runner.micro_batch}, "
+             f"{_schedule_label(runner.schedule, runner.virtual_stages)}")
+    if decision.kept_simpler:
+        return (f"Runner-up: {label}, predicted {-decision.runner_up_relative:.1%} faster but more "
+                f"complex; that is within {margin}, so the simpler plan is kept.")
+    return (f"Runner-up: {label}, predicted {decision.runner_up_relative:.1%} slower. A more "
+            f"complex plan wins only by more than {margin}.")
+
+
 def _schedule_label(schedule: str, virtual_stages: int) -> str:
     return f"{schedule} (v={virtual_stages})" if virtual_stages > 1 else schedule
 

@@ -7,6 +7,9 @@ import os
 # One thread per process: several training processes share this machine's two cores, and forked
 # workers must not inherit a running OpenMP pool.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Plans from the presets: measuring on this machine (--measure auto) is slow and varies between
+# runs; the tests of that path turn it on.
+os.environ.setdefault("PIPEC_MEASURE", "off")
 
 import re
 import runpy
@@ -36,6 +39,7 @@ def compile_to(model: Path, out: Path, **options: Any) -> Plan:
     """Compile with the CPU preset and, unless the test says otherwise (pp=None: searched),
     one pipeline stage per device."""
     options.setdefault("hardware", "cpu")
+    options.setdefault("measure", "off")
     options.setdefault("pp", options.get("gpus", 1))
     plan, _ = compile_model(CompileOptions(model=model, out=out, **options))
     return plan

@@ -39,10 +39,44 @@ def test_one_device_is_a_one_stage_plan(tmp_path: Path) -> None:
 
 
 def test_chosen_plan_is_the_fastest_candidate_and_beats_conventional(tmp_path: Path) -> None:
-    plan = compile_to(SAMPLES / "resnet.py", tmp_path / "o", gpus=4, batch_size=64)
+    plan = compile_to(SAMPLES / "resnet.py", tmp_path / "o", gpus=4, batch_size=64, margin=0.0)
     assert plan.samples_per_s == max(c.samples_per_s for c in plan.candidates)
     assert all(plan.samples_per_s >= b.samples_per_s * (1 - 1e-9)
                for b in plan.baselines if b.feasible)
+
+
+def test_a_more_complex_plan_wins_only_by_more_than_the_margin(tmp_path: Path) -> None:
+    fastest = compile_to(SAMPLES / "resnet.py", tmp_path / "a", gpus=4, batch_size=64,
+                         margin=0.0)
+    kept = compile_to(SAMPLES / "resnet.py", tmp_path / "b", gpus=4, batch_size=64)
+    decision = kept.decision
+    assert decision is not None and decision.margin == 0.10  # the roofline's measured error
+    # Here the fastest plan is predicted 4.9 % faster with a smaller micro-batch: kept out.
+    assert decision.kept_simpler and kept.micro_batch > fastest.micro_batch
+    assert (kept.pp, kept.virtual_stages) <= (fastest.pp, fastest.virtual_stages)
+    assert fastest.iteration_s < kept.iteration_s <= fastest.iteration_s * 1.10
+    runner_up = decision.runner_up
+    assert runner_up is not None and runner_up.samples_per_s == fastest.samples_per_s
+    assert decision.runner_up_relative == pytest.approx(
+        fastest.iteration_s / kept.iteration_s - 1)
+    report = (tmp_path / "b" / "report.md").read_text()
+    assert "faster but more complex; that is within the time model's measured error" in report
+    assert json.loads((tmp_path / "b" / "plan.json").read_text())["decision"] == {
+        "margin": 0.10, "kept_simpler": True, "runner_up": {
+            "pp": runner_up.pp, "dp": runner_up.dp, "micro_batch": runner_up.micro_batch,
+            "schedule": runner_up.schedule, "virtual_stages": runner_up.virtual_stages,
+            "samples_per_s": runner_up.samples_per_s,
+            "step_time_relative": decision.runner_up_relative}}
+    # Without a simpler plan within the margin, the fastest wins and the runner-up is slower.
+    assert fastest.decision is not None and not fastest.decision.kept_simpler
+    assert fastest.decision.runner_up_relative > 0
+
+
+def test_with_every_choice_fixed_there_is_no_runner_up(tmp_path: Path) -> None:
+    plan = compile_to(SAMPLES / "mlp.py", tmp_path / "o", gpus=2, batch_size=8, micro_batch=2,
+                      schedule="1f1b")
+    assert plan.decision is not None and plan.decision.runner_up is None
+    assert "No other plan fits what was asked" in (tmp_path / "o" / "report.md").read_text()
 
 
 def test_1f1b_is_only_chosen_with_a_micro_batch_per_stage(tmp_path: Path) -> None:
@@ -70,6 +104,8 @@ def test_memory_that_does_not_fit_is_an_error_with_numbers(tmp_path: Path) -> No
     ({"gpus": 64}, "legal stage boundaries"),
     ({"hardware": "tpu-v9"}, "unknown hardware 'tpu-v9'; presets: a100-40g"),
     ({"gpus": 2, "virtual_stages": 1}, "interleaving needs 2 or more stages per device"),
+    ({"margin": 1.5}, "--margin 150%: give a percentage from 0 to 99"),
+    ({"margin": -0.1}, "--margin -10%: give a percentage from 0 to 99"),
     ({"gpus": 2, "virtual_stages": 2, "schedule": "gpipe"},
      "sets the stages per device of --schedule interleaved"),
     ({"gpus": 1, "schedule": "interleaved"},

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from pipec.errors import InfeasibleError
 from pipec.planning.balance import BALANCE, BASELINES
+from pipec.planning.choice import Decision, choose
 from pipec.planning.costs import Costs, Layout, Point
 from pipec.planning.evaluate import Evaluated, rank, unlimited
 from pipec.planning.layouts import conventional_layout, micro_batch_sizes
@@ -57,10 +58,13 @@ def _conventional_micro_batch(replica_batch: int, pp: int) -> int:
     return micro_batch
 
 
-def adopt(best: Evaluated, plans: tuple[BaselinePlan, ...], request: PlanRequest) -> Evaluated:
-    """The plan to emit: a baseline's when asked (--strategy), else pipec's. pipec's search
-    includes the baselines' partitions: a feasible baseline that simulates faster, within what
-    the user fixed (--micro-batch, --schedule, --pp), wins."""
+def adopt(costs: Costs, near: tuple[Evaluated, ...], plans: tuple[BaselinePlan, ...]
+          ) -> tuple[Evaluated, Decision | None]:
+    """The plan to emit: a baseline's when asked (--strategy), else pipec's choice among its
+    search's plans predicted near the fastest (``near``) and the feasible baselines within what
+    the user fixed (--micro-batch, --schedule, --pp): pipec's search includes the baselines'
+    partitions, so a baseline that simulates faster wins."""
+    request = costs.request
     strategy = request.strategy
     if strategy != "pipec":
         chosen = next(p for p in plans if p.summary.strategy == strategy)
@@ -68,11 +72,10 @@ def adopt(best: Evaluated, plans: tuple[BaselinePlan, ...], request: PlanRequest
             raise InfeasibleError(f"--strategy {strategy} does not fit: it needs "
                                   f"{gib(max(chosen.evaluated.memory))} on its fullest "
                                   "device; use --strategy pipec or more devices")
-        return chosen.evaluated
-    faster = [p.evaluated for p in plans
-              if p.summary.feasible and p.evaluated.iteration_s < best.iteration_s
-              and _allowed(p.evaluated, request)]
-    return min([best, *faster], key=rank)
+        return chosen.evaluated, None
+    alternatives = [*near, *(p.evaluated for p in plans
+                             if p.summary.feasible and _allowed(p.evaluated, request))]
+    return choose(costs, min(alternatives, key=rank), alternatives)
 
 
 def _allowed(e: Evaluated, request: PlanRequest) -> bool:

@@ -9,12 +9,15 @@ import numpy as np
 from pipec.costgraph import CostGraph
 from pipec.costmodel import (
     NodeArrays,
+    allreduce_s,
     boundary_s,
     crosses_nodes,
     node_arrays,
+    spans_nodes,
     usable_memory,
 )
 from pipec.hardware import Device
+from pipec.normalize import resolve_norm
 from pipec.planning.values import PlanRequest
 
 
@@ -107,15 +110,34 @@ class Costs:
                     for field in ("fwd_s", "bwd_s")] for devices in positions]
         fwd = np.stack([slowest[k % layout.pp][0] for k in range(layout.stages)])
         bwd = np.stack([slowest[k % layout.pp][1] for k in range(layout.stages)])
+        if resolve_norm(self.request.norm, layout.pp, layout.dp) == "sync" and layout.dp > 1:
+            sync_fwd, sync_bwd = self._synchronized_norm_s(layout, positions)
+            fwd, bwd = fwd + sync_fwd, bwd + sync_bwd
         arrays = self.nodes(positions[0][0], micro_batch)
         cut = np.stack([self._cut_s(layout, arrays, k) for k in range(layout.stages)])
         capacity = tuple(min(usable_memory(d) for d in devices) for devices in positions)
         runtime = tuple(max(d.runtime_bytes for d in devices) for devices in positions)
         calibration = self.request.calibration
         measured = calibration.stage_overhead_s if calibration else (0.0, 0.0)
+        scale = calibration.contention if calibration else 1.0
         action = max(d.action_overhead_s for d in self.request.devices)
-        overhead = (measured[0] + action, measured[1] + action)
+        overhead = (measured[0] * scale + action, measured[1] * scale + action)
         return StageCosts(fwd + bwd, fwd, bwd, arrays, cut, capacity, runtime, overhead)
+
+    def _synchronized_norm_s(self, layout: Layout, positions: list[list[Device]]
+                             ) -> tuple[np.ndarray, np.ndarray]:
+        """Per node, a synchronized BatchNorm's all-reduces over the replicas: its mean, variance
+        and count forward, the gradients of its weight and bias backward (fp32), per
+        micro-batch. Small: their time is the all-reduce's latency."""
+        channels = np.array([n.batch_norm_channels for n in self.graph.nodes], dtype=float)
+        device = min((d for devices in positions for d in devices),
+                     key=lambda d: d.intra_node_bandwidth)
+        per_node = self.request.gpus // self.request.nodes
+        spans = spans_nodes(0, layout.pp, layout.dp, per_node)
+        fwd = [allreduce_s((2 * c + 1) * 4, layout.dp, device, spans) if c else 0.0
+               for c in channels]
+        bwd = [allreduce_s(2 * c * 4, layout.dp, device, spans) if c else 0.0 for c in channels]
+        return np.array(fwd), np.array(bwd)
 
     def _cut_s(self, layout: Layout, arrays: NodeArrays, stage: int) -> np.ndarray:
         """Stage → stage + 1 over the slowest link between the two positions' devices."""

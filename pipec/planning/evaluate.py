@@ -6,7 +6,14 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, replace
 
-from pipec.costmodel import StageMemory, StageRole, allreduce_s, spans_nodes, stage_memory
+from pipec.costmodel import (
+    StageMemory,
+    StageRole,
+    allreduce_s,
+    optimizer_s,
+    spans_nodes,
+    stage_memory,
+)
 from pipec.planning.balance import Balance, boundaries
 from pipec.planning.costs import Costs, Layout, Point, StageCosts
 from pipec.schedule import SCHEDULES, Simulation, in_flight, simulate, stage_lower_bound_s
@@ -67,13 +74,39 @@ def timed(costs: Costs, e: Evaluated) -> Evaluated:
     """``e`` with its iteration time: the simulated schedule (no timeline: the search needs only
     the figures), then the slowest position's gradient all-reduce."""
     simulation = _simulate(e, timeline=False)
-    return replace(e, iteration_s=simulation.iteration_s + sync_s(costs, e)
-                   + step_overhead_s(costs))
+    return replace(e, iteration_s=simulation.iteration_s + sum(step_terms(costs, e).values()))
+
+
+def step_terms(costs: Costs, e: Evaluated) -> dict[str, float]:
+    """What a step takes besides its schedule (plan.json ``predicted.step_terms``): the
+    gradient all-reduce, then the optimizer step, making the step's data and the runtime's
+    own time per step, each the slowest position's."""
+    return {"all_reduce": sync_s(costs, e), "optimizer": _optimizer_s(costs, e),
+            "data": data_s(costs), "runtime": step_overhead_s(costs)}
 
 
 def step_overhead_s(costs: Costs) -> float:
     """The runtime's own time per optimizer step (the slowest device's)."""
     return max(d.step_overhead_s for d in costs.request.devices)
+
+
+def data_s(costs: Costs) -> float:
+    """The model file's sample_batch for the global batch (train.py makes it whole on every
+    rank that reads data, then takes its replica's share), as measured (0: not measured)."""
+    calibration = costs.request.calibration
+    if calibration is None:
+        return 0.0
+    fixed, per_sample = calibration.data_s
+    return fixed + per_sample * costs.request.global_batch
+
+
+def _optimizer_s(costs: Costs, e: Evaluated) -> float:
+    spans = list(itertools.pairwise(e.boundaries))
+    pp, optimizer = e.layout.pp, costs.request.training.optimizer
+    return max(optimizer_s(sum(float(costs.param_bytes[a:b].sum()) for a, b in spans[p::pp]),
+                           optimizer, min(costs.devices(e.layout, p),
+                                          key=lambda d: d.memory_bandwidth))
+               for p in range(pp))
 
 
 def timeline(e: Evaluated) -> Simulation:
@@ -103,8 +136,8 @@ def rank(e: Evaluated) -> tuple[float, float, int, int, int]:
 def stage_bound_s(costs: Costs, e: Evaluated) -> float:
     """A lower bound on the iteration time from the stage times, without simulating."""
     fwd, bwd = stage_times(e)
-    return (stage_lower_bound_s(fwd, bwd, e.num_micro_batches, e.layout.pp) + sync_s(costs, e)
-            + step_overhead_s(costs))
+    return (stage_lower_bound_s(fwd, bwd, e.num_micro_batches, e.layout.pp)
+            + sum(step_terms(costs, e).values()))
 
 
 def stage_times(e: Evaluated) -> tuple[list[float], list[float]]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipec.costmodel import allreduce_s
+from pipec.planning.choice import candidate
 from pipec.planning.costs import Costs, Point
 from pipec.planning.evaluate import Evaluated, partition, rank, stage_bound_s, timed
 from pipec.planning.values import Candidate
@@ -22,33 +23,42 @@ _MARGIN = 1 - 1e-9
 class SearchResult:
     best: Evaluated | None  # the fastest point that fits, timed; None: none fits
     candidates: tuple[Candidate, ...]  # every point evaluated, in point order
-    pruned: int  # points skipped: their bound was slower than the best
+    pruned: int  # points skipped: their bound was slower than the best (widened by ``window``)
+    # Every point that fits and simulates within ``window`` of the best, the best included.
+    near: tuple[Evaluated, ...] = ()
 
 
-def search(costs: Costs, points: list[Point]) -> SearchResult:
-    """The fastest point that fits. Points that do not fit are reported (as candidates) with
-    their time-balanced plan's memory and time."""
+def search(costs: Costs, points: list[Point], window: float = 0.0) -> SearchResult:
+    """The fastest point that fits, and every fitting point predicted within ``window`` (a
+    fraction) of it. Points that do not fit are reported (as candidates) with their
+    time-balanced plan's memory and time."""
     bounds = {point: _lower_bound(costs, point) for point in points}
     ordered = sorted(points, key=lambda p: (bounds[p], point_order(p)))
     best: Evaluated | None = None
     evaluated: list[tuple[Point, Candidate]] = []
+    fitting_points: list[Evaluated] = []
     pruned = 0
     for i, point in enumerate(ordered):
-        if best is not None and bounds[point] * _MARGIN > best.iteration_s:
+        limit = float("inf") if best is None else best.iteration_s * (1 + window)
+        if bounds[point] * _MARGIN > limit:
             pruned += len(ordered) - i
             break
         fitting = partition(costs, point, "time_within_memory")
         shown = fitting or partition(costs, point, "time")
         assert shown is not None  # without a memory limit every legal partition is allowed
-        if best is not None and stage_bound_s(costs, shown) * _MARGIN > best.iteration_s:
+        if stage_bound_s(costs, shown) * _MARGIN > limit:
             pruned += 1
             continue
         e = timed(costs, shown)
-        evaluated.append((point, _candidate(costs, e)))
-        if fitting is not None and (best is None or rank(e) < rank(best)):
-            best = e
+        evaluated.append((point, candidate(costs, e)))
+        if fitting is not None:
+            fitting_points.append(e)
+            if best is None or rank(e) < rank(best):
+                best = e
     evaluated.sort(key=lambda pc: point_order(pc[0]))
-    return SearchResult(best, tuple(c for _, c in evaluated), pruned)
+    near = tuple(e for e in fitting_points
+                 if best is not None and e.iteration_s <= best.iteration_s * (1 + window))
+    return SearchResult(best, tuple(c for _, c in evaluated), pruned, near)
 
 
 def point_order(point: Point) -> tuple[int, int, int, int]:
@@ -67,10 +77,3 @@ def _lower_bound(costs: Costs, point: Point) -> float:
     return (lower_bound_s(costs.fastest_work_s(point.micro_batch), layout.pp, micro_batches,
                           layout.virtual)
             + allreduce_s(float(costs.param_bytes.sum()) / layout.pp, layout.dp, fastest))
-
-
-def _candidate(costs: Costs, e: Evaluated) -> Candidate:
-    layout = e.layout
-    return Candidate(e.micro_batch, e.num_micro_batches, e.schedule,
-                     costs.request.global_batch / e.iteration_s, max(e.memory), e.fits(),
-                     layout.pp, layout.dp, layout.virtual)

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pipec.costmodel import Calibration, StageMemory, Training
 from pipec.hardware import Device
 from pipec.schedule import Simulation
+
+if TYPE_CHECKING:
+    from pipec.planning.choice import Decision
 
 
 @dataclass(frozen=True)
@@ -23,6 +27,10 @@ class PlanRequest:
     calibration: Calibration | None = None  # measured compute times (pipec profile)
     strategy: str = "pipec"  # or a baseline's: plan as that baseline would
     virtual_stages: int | None = None  # interleaved: stages per device; None: searched
+    # A more complex plan must be predicted this much faster (a fraction) to win; None: the
+    # time model's measured error for its time source (pipec.planning.choice).
+    margin: float | None = None
+    norm: str = "auto"  # --norm: a synchronized BatchNorm costs an all-reduce per layer
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,3 +116,6 @@ class Plan:
             return self.simulation.bubble
         return 1 - (1 - self.simulation.bubble) * self.simulation.iteration_s / self.iteration_s
     device_memory_bytes: tuple[float, ...] = ()  # per pipeline position, at its peak
+    decision: Decision | None = None  # pipec's choice and its runner-up; None under --strategy
+    # Seconds a step takes besides its schedule, by term (all_reduce, optimizer, data, runtime).
+    step_terms: dict[str, float] = field(default_factory=dict)

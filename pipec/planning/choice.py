@@ -1,0 +1,72 @@
+"""The choice under the model's error: a more complex plan (interleaving, more stages, a smaller
+micro-batch) must beat a simpler one by more than the time model's measured error to win, since
+a smaller predicted margin says nothing about which measures faster (docs/fidelity.md). The
+runner-up and its predicted margin are reported either way."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipec.planning.costs import Costs
+from pipec.planning.evaluate import Evaluated, rank
+from pipec.planning.values import Candidate, PlanRequest
+
+# The time model's relative error between two plans of one model, measured by
+# benchmarks/fidelity.py (docs/fidelity.md): with compute times measured on the device, and
+# with a preset's roofline, which knows neither the kernels' real speed nor their overheads.
+MEASURED_MARGIN = 0.05
+ROOFLINE_MARGIN = 0.10
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Why the plan won: the margin a more complex plan needed, and the closest alternative."""
+
+    margin: float
+    runner_up: Candidate | None  # None: no other plan fits
+    runner_up_relative: float  # its predicted step time ÷ the plan's − 1 (negative: faster)
+    kept_simpler: bool  # the runner-up predicts faster but is more complex, within the margin
+
+
+def decision_margin(request: PlanRequest) -> float:
+    if request.margin is not None:
+        return request.margin
+    return ROOFLINE_MARGIN if request.calibration is None else MEASURED_MARGIN
+
+
+def choose(costs: Costs, best: Evaluated, alternatives: list[Evaluated]
+           ) -> tuple[Evaluated, Decision]:
+    """The simplest plan predicted within the margin of ``best`` (the fastest), and why:
+    repeatedly, the fastest plan simpler than the one chosen so far, within the margin."""
+    margin = decision_margin(costs.request)
+    limit = best.iteration_s * (1 + margin)
+    chosen = best
+    while simpler := [e for e in alternatives if _simpler(e, chosen) and e.iteration_s <= limit]:
+        chosen = min(simpler, key=rank)
+    others = [e for e in alternatives if not _same_plan(e, chosen)]
+    runner_up = best if chosen is not best else min(others, key=rank, default=None)
+    if runner_up is None:
+        return chosen, Decision(margin, None, 0.0, False)
+    return chosen, Decision(margin, candidate(costs, runner_up),
+                            runner_up.iteration_s / chosen.iteration_s - 1, chosen is not best)
+
+
+def _same_plan(a: Evaluated, b: Evaluated) -> bool:
+    """The same point (one stage runs every schedule alike), whatever its boundaries."""
+    return a.layout == b.layout and a.micro_batch == b.micro_batch and (
+        a.schedule == b.schedule or a.layout.pp == 1)
+
+
+def _simpler(a: Evaluated, b: Evaluated) -> bool:
+    """``a`` is simpler than ``b``: no more stages per device, no more pipeline devices, no
+    smaller micro-batch, and not the same in all three."""
+    keys_a = (a.layout.virtual, a.layout.pp, -a.micro_batch)
+    keys_b = (b.layout.virtual, b.layout.pp, -b.micro_batch)
+    return keys_a != keys_b and all(x <= y for x, y in zip(keys_a, keys_b, strict=True))
+
+
+def candidate(costs: Costs, e: Evaluated) -> Candidate:
+    layout = e.layout
+    return Candidate(e.micro_batch, e.num_micro_batches, e.schedule,
+                     costs.request.global_batch / e.iteration_s, max(e.memory), e.fits(),
+                     layout.pp, layout.dp, layout.virtual)

@@ -1,0 +1,210 @@
+"""The training runtime on this machine's CPU processes: what a roofline cannot know, measured
+with as many processes as the training will run on this machine (pipec.measured caches it).
+`side_by_side` measures how much slower a model's pass runs when every process computes at once.
+
+- **links**: blocking send/recv between two processes (gloo) at four sizes, fitted as
+  latency + bytes / bandwidth (least squares on relative errors);
+- **per action**: a two-stage torch.distributed.pipelining schedule of a 4-wide linear layer,
+  its forward and backward calls timed, less the same layer's plain forward and backward: the
+  runtime's own time per action;
+- **all-reduce**: 4 MiB over every process, as bus bandwidth 2(d−1)/d · bytes / seconds;
+- **per step**: an all-reduce of one value (train.py's loss, every step).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+LINK_SIZES = (4, 64 * 1024, 1024 * 1024, 4 * 1024 * 1024)
+ALLREDUCE_BYTES = 4 * 1024 * 1024
+MICRO_BATCHES = 16
+
+
+@dataclass(frozen=True)
+class RuntimeFigures:
+    processes: int
+    latency_s: float  # 0 with one process: nothing to measure
+    bandwidth: float  # bytes/s
+    action_overhead_s: float
+    allreduce_bandwidth: float  # bus bandwidth, bytes/s
+    step_overhead_s: float
+
+
+def probe_runtime(processes: int, threads: int) -> RuntimeFigures:
+    """Fork ``processes`` workers with ``threads`` threads each and measure; one process
+    measures only itself (no links, no contention)."""
+    if processes < 2:
+        return RuntimeFigures(1, 0.0, 0.0, 0.0, 0.0, 0.0)
+    context = mp.get_context("fork")
+    results = context.SimpleQueue()
+    port = _free_port()
+    workers = [context.Process(target=_worker, args=(rank, processes, port, threads, results))
+               for rank in range(processes)]
+    for worker in workers:
+        worker.start()
+    received = [results.get() for _ in workers]
+    for worker in workers:
+        worker.join()
+    failed = [f for _, f in received if isinstance(f, str)]
+    if failed:
+        raise RuntimeError(failed[0])
+    return _combine(processes, [f for _, f in sorted(received, key=lambda rf: rf[0])])
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _worker(rank: int, world: int, port: int, threads: int, results: Any) -> None:
+    try:
+        torch.set_num_threads(threads)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        figures = {"links": _links(rank),
+                   "action": _action_overhead(rank), "allreduce": _allreduce_s(),
+                   "step": _step_s()}
+        dist.destroy_process_group()
+        results.put((rank, figures))
+    except Exception as exc:  # reported to the parent, which raises it
+        results.put((rank, f"rank {rank}: {exc!r}"))
+
+
+def _median_s(run: Callable[[], object], repeats: int) -> float:
+    times = []
+    for _ in range(repeats + 1):
+        started = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times[1:])
+
+
+def side_by_side(run: Callable[[], object], processes: int, repeats: int = 10) -> float:
+    """How much slower ``run`` is when ``processes`` processes run it at once than alone (at
+    least 1): they share the machine's cores, caches and memory bandwidth. The others are forked
+    copies, waiting on a semaphore (not in torch.distributed, whose waits would hold a core)."""
+    alone = _median_s(run, repeats)
+    if processes < 2:
+        return 1.0
+    context = mp.get_context("fork")
+    barrier, results = context.Barrier(processes), context.SimpleQueue()
+    copies = [context.Process(target=_run_together, args=(run, repeats, barrier, results))
+              for _ in range(processes - 1)]
+    for copy in copies:
+        copy.start()
+    barrier.wait()
+    together = [_median_s(run, repeats)] + [results.get() for _ in copies]
+    for copy in copies:
+        copy.join()
+    return max(float(statistics.median(together)) / alone, 1.0)
+
+
+def _run_together(run: Callable[[], object], repeats: int, barrier: Any, results: Any) -> None:
+    barrier.wait()
+    results.put(_median_s(run, repeats))
+
+
+def _links(rank: int) -> dict[int, float]:
+    """One-way seconds per size between ranks 0 and 1 (half the median round trip)."""
+    one_way = {}
+    for size in LINK_SIZES:
+        tensor = torch.zeros(size // 4)
+        trips = []
+        for _ in range(12):
+            dist.barrier()
+            started = time.perf_counter()
+            if rank == 0:
+                dist.send(tensor, 1)
+                dist.recv(tensor, 1)
+            elif rank == 1:
+                dist.recv(tensor, 0)
+                dist.send(tensor, 0)
+            trips.append(time.perf_counter() - started)
+        one_way[size] = statistics.median(trips[2:]) / 2
+    return one_way
+
+
+def _action_overhead(rank: int) -> float:
+    """The pipelining runtime's own seconds per action, on ranks 0 and 1 (others: nan)."""
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    group = dist.new_group([0, 1])
+    if rank > 1:
+        return float("nan")
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 4)
+    stage = PipelineStage(layer, rank, 2, torch.device("cpu"), group=group)
+    schedule = ScheduleGPipe(stage, MICRO_BATCHES, loss_fn=lambda out, target: out.sum())
+    busy = [0.0]
+    for name in ("forward_one_chunk", "backward_one_chunk"):
+        setattr(stage, name, _timed(getattr(stage, name), busy))
+    inputs = torch.ones(MICRO_BATCHES, 4)
+    for step in range(6):
+        busy[0] = 0.0 if step == 1 else busy[0]  # the first step warms up
+        schedule.step(*((inputs,) if rank == 0 else ()),
+                      target=inputs if rank == 1 else None)
+    per_action = busy[0] / (5 * 2 * MICRO_BATCHES)
+    return max(per_action - _plain_action_s(layer), 0.0)
+
+
+def _timed(method: Callable[..., Any], busy: list[float]) -> Callable[..., Any]:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        result = method(*args, **kwargs)
+        busy[0] += time.perf_counter() - started
+        return result
+    return call
+
+
+def _plain_action_s(layer: nn.Module) -> float:
+    """The layer's own forward and backward of one micro-batch, per action."""
+    x = torch.ones(1, 4, requires_grad=True)
+
+    def forward_backward() -> None:
+        layer(x).sum().backward()
+
+    return _median_s(forward_backward, 50) / 2
+
+
+def _allreduce_s() -> float:
+    tensor = torch.zeros(ALLREDUCE_BYTES // 4)
+    return _median_s(lambda: dist.all_reduce(tensor), 8)
+
+
+def _step_s() -> float:
+    value = torch.zeros(1)
+    return _median_s(lambda: dist.all_reduce(value), 20)
+
+
+def _combine(processes: int, figures: list[dict[str, Any]]) -> RuntimeFigures:
+    latency, bandwidth = _fit_link(figures[0]["links"])
+    action = statistics.median(f["action"] for f in figures[:2])
+    allreduce = max(f["allreduce"] for f in figures)
+    bus = 2 * (processes - 1) / processes * ALLREDUCE_BYTES / allreduce
+    return RuntimeFigures(processes, latency, bandwidth, action, bus,
+                          max(f["step"] for f in figures))
+
+
+def _fit_link(one_way: dict[int, float]) -> tuple[float, float]:
+    """latency + bytes / bandwidth, least squares on relative errors."""
+    sizes = np.array(sorted(one_way), dtype=float)
+    seconds = np.array([one_way[int(s)] for s in sizes])
+    design = np.column_stack([np.ones_like(sizes), sizes]) / seconds[:, None]
+    (latency, per_byte), *_ = np.linalg.lstsq(design, np.ones_like(sizes), rcond=None)
+    return max(float(latency), 0.0), 1 / max(float(per_byte), 1e-15)

@@ -1,0 +1,141 @@
+"""Measured by default: compile times the model on this machine when the devices are its kind,
+caches the times, and reads them back without measuring again."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import SAMPLES, compile_to
+from pipec.calibrate import profile_model, save_calibration
+from pipec.errors import ConfigError
+from pipec.measured import Target, cache_key, training_threads
+from pipec.planner import Plan
+
+MLP = SAMPLES / "mlp.py"
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fresh cache; measurements as short as pipec profile's default (10 passes), not spread
+    over seconds to average a drifting machine."""
+    folder = tmp_path / "cache"
+    monkeypatch.setenv("PIPEC_CACHE_DIR", str(folder))
+    monkeypatch.setattr("pipec.measured.MIN_SECONDS", 0.0)
+    return folder
+
+
+def _compile(out: Path, **options: Any) -> Plan:
+    options.setdefault("measure", "auto")
+    options.setdefault("gpus", 1)
+    return compile_to(MLP, out, batch_size=8, **options)
+
+
+def test_compile_measures_here_once_then_reads_the_cache(tmp_path: Path, cache: Path,
+                                                         caplog: pytest.LogCaptureFixture
+                                                         ) -> None:
+    with caplog.at_level(logging.INFO, logger="pipec.measured"):
+        first = _compile(tmp_path / "a")
+        entries = list(cache.glob("*.json"))
+        assert len(entries) == 1 and "measured 11 nodes" in caplog.text
+        caplog.clear()
+        second = _compile(tmp_path / "b")
+    assert "read from the cache" in caplog.text and "measuring" not in caplog.text
+    calibration = first.request.calibration
+    assert calibration is not None and calibration.device == "cpu"
+    assert len(calibration.nodes) == 11 and str(entries[0]) in calibration.source
+    assert second.request.calibration == calibration
+    # Making the data is measured too, and is a term of the step.
+    assert calibration.data_s[1] > 0 and first.step_terms["data"] > 0
+    predicted = json.loads((tmp_path / "a" / "plan.json").read_text())["predicted"]
+    assert set(predicted["step_terms"]) == {"all_reduce", "optimizer", "data", "runtime"}
+    report = (tmp_path / "a" / "report.md").read_text()
+    assert "measured on this machine" in report
+    assert report == (tmp_path / "b" / "report.md").read_text()  # compiling twice: same files
+    assert (tmp_path / "a" / "plan.json").read_text() == (tmp_path / "b" / "plan.json").read_text()
+
+
+def test_several_processes_measure_the_training_runtime_too(tmp_path: Path, cache: Path
+                                                           ) -> None:
+    """Two processes: links, all-reduce, the runtime's time per action and per step, and the
+    slowdown of computing side by side, measured once and cached beside the compute times."""
+    plan = _compile(tmp_path / "a", gpus=2)
+    runtime = json.loads(next(cache.glob("runtime-*.json")).read_text())
+    assert runtime["processes"] == 2
+    assert 0 < runtime["latency_s"] < 0.1 and runtime["bandwidth"] > 1e7
+    assert runtime["allreduce_bandwidth"] > 1e7 and runtime["step_overhead_s"] > 0
+    device = plan.request.devices[0]
+    assert device.intra_node_latency_s == runtime["latency_s"]
+    assert device.allreduce_bandwidth == runtime["allreduce_bandwidth"]
+    assert device.action_overhead_s == runtime["action_overhead_s"]
+    calibration = plan.request.calibration
+    assert calibration is not None and calibration.contention >= 1.0
+    assert "with 2 processes computing side by side" in calibration.source
+    assert "measured with 2 processes" in calibration.source
+    again = _compile(tmp_path / "b", gpus=2)  # from the cache: the same figures
+    assert again.request.devices == plan.request.devices
+    assert len(list(cache.glob("runtime-*.json"))) == 1
+
+
+def test_another_kind_of_device_plans_from_its_preset(tmp_path: Path, cache: Path) -> None:
+    plan = _compile(tmp_path / "out", hardware="a100-80g")
+    assert plan.request.calibration is None and not cache.exists()
+
+
+def test_off_and_a_calibration_file_measure_nothing(tmp_path: Path, cache: Path) -> None:
+    assert _compile(tmp_path / "off", measure="off").request.calibration is None
+    calibration, _ = profile_model(MLP, 4, repeats=1)
+    save_calibration(calibration, tmp_path / "calib.json")
+    plan = _compile(tmp_path / "file", calibration=tmp_path / "calib.json")
+    assert plan.request.calibration is not None
+    assert plan.request.calibration.source == "pipec profile" and not cache.exists()
+
+
+def test_a_damaged_cache_entry_is_measured_again(tmp_path: Path, cache: Path,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    _compile(tmp_path / "a")
+    (entry,) = cache.glob("*.json")
+    entry.write_text("{not json")
+    with caplog.at_level(logging.WARNING, logger="pipec.measured"):
+        plan = _compile(tmp_path / "b")
+    assert "ignoring the cached measurement" in caplog.text
+    assert plan.request.calibration is not None and plan.request.calibration.nodes
+    assert entry.read_text().startswith("{\n")  # rewritten whole
+
+
+def test_the_key_follows_what_the_times_depend_on(tmp_path: Path) -> None:
+    model = tmp_path / "model.py"
+    model.write_text(MLP.read_text())
+    target = Target("cpu", "a cpu", 1, 8, "fp32", "group")
+    key = cache_key(model, target)
+    assert key == cache_key(model, target)
+    for changed in (Target("cpu", "a cpu", 2, 8, "fp32", "group"),
+                    Target("cpu", "a cpu", 1, 16, "fp32", "group"),
+                    Target("cpu", "a cpu", 1, 8, "bf16", "group"),
+                    Target("cpu", "other", 1, 8, "fp32", "group")):
+        assert cache_key(model, changed) != key
+    model.write_text(MLP.read_text() + "\n# edited\n")
+    assert cache_key(model, target) != key
+
+
+def test_threads_are_those_training_uses(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert training_threads(4) == 3
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert training_threads(4) == 1  # torchrun's default with several processes per node
+
+
+def test_an_unknown_measure_choice_is_a_user_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="--measure 'always'"):
+        _compile(tmp_path / "out", measure="always")
+
+
+def test_bf16_times_run_under_autocast() -> None:
+    calibration, samples = profile_model(MLP, 2, repeats=1, precision="bf16")
+    assert len(calibration.nodes) == 11 and all(s.fwd_s >= 0 for s in samples)
+    with pytest.raises(ConfigError, match="--precision 'fp16'"):
+        profile_model(MLP, 2, repeats=1, precision="fp16")

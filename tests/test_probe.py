@@ -1,0 +1,42 @@
+"""pipec.probe: the training runtime's figures on this machine's CPU processes."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from pipec.probe import RuntimeFigures, _fit_link, probe_runtime, side_by_side
+
+
+def test_one_process_measures_nothing_it_cannot_use() -> None:
+    assert probe_runtime(1, 1) == RuntimeFigures(1, 0.0, 0.0, 0.0, 0.0, 0.0)
+    assert side_by_side(lambda: None, 1) == 1.0
+
+
+def _busy() -> None:
+    """About 20 ms of one core's work."""
+    x = torch.ones(1 << 20)
+    for _ in range(40):
+        x = x * 1.0001 + 1.0
+
+
+def test_four_processes_on_two_cores_compute_at_half_speed_or_less() -> None:
+    assert (os.cpu_count() or 1) <= 2  # this machine; more cores share less
+    assert side_by_side(_busy, 4, repeats=5) > 1.6
+
+
+def test_the_link_fit_recovers_latency_and_bandwidth() -> None:
+    latency, bandwidth = 150e-6, 2e9
+    one_way = {size: latency + size / bandwidth for size in (4, 65536, 2**20, 2**22)}
+    fitted = _fit_link(one_way)
+    assert fitted[0] == pytest.approx(latency) and fitted[1] == pytest.approx(bandwidth)
+
+
+def test_four_processes_on_this_machine() -> None:
+    """Every figure is measured (links between ranks 0 and 1, the runtime's action on them)."""
+    figures = probe_runtime(4, 1)
+    assert figures.processes == 4
+    assert figures.latency_s > 0 and figures.bandwidth > 1e7
+    assert figures.action_overhead_s >= 0 and figures.allreduce_bandwidth > 1e7
