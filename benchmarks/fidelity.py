@@ -1,0 +1,228 @@
+"""Does the plan pipec picks measure fastest? Predicted against measured step time for pipec's
+pick, its next candidates and every baseline, each trained for real on CPU processes.
+
+Per case, `pipec compile --hardware cpu` (measured by default: the compute times come from this
+machine) gives pipec's pick; its next `--candidates` fastest candidates that fit, and each
+baseline (`--strategy uniform, parameters, torchgpipe, conventional`), are compiled too. Every
+distinct plan is trained under torchrun with `--metrics` for `--steps` steps (on a CPU the
+first 3 measure memory and the 4th warms up again; the rest are timed), `--rounds` times, the
+plans taking turns so that drift in the machine's speed falls on all of them alike. Per case it
+prints each plan's predicted and measured step time, then:
+
+- the median and the worst step-time error (measured ÷ predicted − 1);
+- Spearman's rank correlation between predicted and measured step times;
+- pipec's regret: the best measured samples/s ÷ pipec's pick's;
+- whether pipec's pick measured at least as fast as every baseline.
+
+Targets (issue 13): step time within ±20 % (median over cases), regret ≤ 3 % in every case,
+pipec's pick ≥ every baseline in every case.
+
+    python benchmarks/fidelity.py [--rounds 3] [--steps 12] [--only NAME ...] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from commands import PIPEC, ROOT, TORCHRUN, run
+from tabulate import tabulate
+
+BASELINES = ("uniform", "parameters", "torchgpipe", "conventional")
+TARGET_ERROR, TARGET_REGRET = 0.20, 0.03
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    model: str  # relative to the repository
+    processes: int
+    batch: int
+    why: str
+
+
+CASES = (
+    Case("gpt", "samples/gpt.py", 2, 32, "the GPT sample"),
+    Case("mlp", "samples/mlp.py", 2, 64, "the MLP sample"),
+    Case("resnet", "samples/resnet.py", 2, 64, "a CNN with BatchNorm and skips"),
+    Case("imbalanced", "samples/imbalanced.py", 2, 128,
+         "layers, parameters and compute disagree"),
+    Case("unet", "benchmarks/models/unet.py", 2, 16, "a U-Net: GroupNorm, long skips"),
+    Case("long-lm", "benchmarks/models/long_lm.py", 2, 8,
+         "sequence 1024, vocabulary 4096: large boundaries and loss"),
+    Case("deep-mlp", "benchmarks/models/deep_mlp.py", 2, 64, "where interleaving should win"),
+    Case("gpt pp4", "samples/gpt.py", 4, 32, "the GPT sample on 4 processes"),
+    Case("resnet pp4", "samples/resnet.py", 4, 64, "the ResNet sample on 4 processes"),
+)
+
+
+@dataclass
+class Entry:
+    """One distinct plan of a case: who proposed it, and its measured step times."""
+
+    roles: list[str]
+    out: Path
+    plan: dict[str, Any]
+    measured_s: list[float] = field(default_factory=list)
+
+    @property
+    def predicted_s(self) -> float:
+        return float(self.plan["predicted"]["iteration_s"])
+
+    @property
+    def step_s(self) -> float:
+        return statistics.median(self.measured_s)
+
+    def label(self) -> str:
+        p = self.plan
+        schedule = p["schedule"] + (f" v={p['virtual_stages']}" if p["virtual_stages"] > 1
+                                    else "")
+        return f"{p['pp']}×{p['dp']}, m {p['micro_batch']}, {schedule}"
+
+
+def compile_case(case: Case, work: Path, candidates: int) -> list[Entry]:
+    """pipec's pick, its next candidates and the baselines, one entry per distinct plan."""
+    common = [str(ROOT / case.model), "--gpus", str(case.processes), "--hardware", "cpu",
+              "--batch-size", str(case.batch)]
+    entries: dict[str, Entry] = {}
+
+    def add(role: str, flags: list[str]) -> dict[str, Any]:
+        out = work / f"{case.name}-{len(entries)}-{role}".replace(" ", "_")
+        run([*PIPEC, "compile", *common, *flags, "-o", str(out)])
+        plan = json.loads((out / "plan.json").read_text())
+        # One stage runs every schedule alike.
+        schedule = plan["schedule"] if plan["pp"] > 1 else "-"
+        key = json.dumps([plan["pp"], plan["dp"], plan["micro_batch"], schedule,
+                          plan["virtual_stages"], [s["nodes"] for s in plan["stages"]]])
+        if key in entries:
+            entries[key].roles.append(role)
+        else:
+            entries[key] = Entry([role], out, plan)
+        return plan
+
+    pick = add("pipec", [])
+    for rank, c in enumerate(next_candidates(pick, candidates), start=2):
+        flags = ["--pp", str(c["pp"]), "--micro-batch", str(c["micro_batch"]),
+                 "--schedule", c["schedule"]]
+        if c["virtual_stages"] > 1:
+            flags += ["--virtual-stages", str(c["virtual_stages"])]
+        add(f"#{rank}", flags)
+    for baseline in BASELINES:
+        add(baseline, ["--strategy", baseline])
+    return list(entries.values())
+
+
+def next_candidates(plan: dict[str, Any], count: int) -> list[dict[str, Any]]:
+    """The fastest fitting candidates after the pick, one per distinct plan (one stage runs
+    every schedule alike)."""
+    seen = {_point(plan)}
+    chosen = []
+    for c in sorted((c for c in plan["candidates"] if c["feasible"]),
+                    key=lambda c: -c["samples_per_s"]):
+        if _point(c) not in seen and len(chosen) < count:
+            seen.add(_point(c))
+            chosen.append(c)
+    return chosen
+
+
+def _point(c: dict[str, Any]) -> tuple[Any, ...]:
+    return (c["pp"], c["dp"], c["micro_batch"], c["schedule"] if c["pp"] > 1 else "-",
+            c["virtual_stages"])
+
+
+def train(entry: Entry, processes: int, steps: int) -> float:
+    """The mean step time after the first step (train.py --metrics)."""
+    run([str(TORCHRUN), "--standalone", "--nproc_per_node", str(processes), "train.py",
+         "--steps", str(steps), "--metrics", "metrics.json"], cwd=entry.out)
+    return float(json.loads((entry.out / "metrics.json").read_text())["step_s"])
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Rank correlation (ties by order; nan with fewer than 3 plans)."""
+    if len(a) < 3:
+        return float("nan")
+    ra, rb = (np.argsort(np.argsort(x)) for x in (a, b))
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def summary(case: Case, entries: list[Entry]) -> dict[str, Any]:
+    errors = [e.step_s / e.predicted_s - 1 for e in entries]
+    pick = next(e for e in entries if "pipec" in e.roles)
+    baselines = [e for e in entries if any(r in BASELINES for r in e.roles)]
+    return {
+        "case": case.name, "processes": case.processes, "batch": case.batch,
+        "median_error": statistics.median(errors),
+        "worst_error": max(errors, key=abs),
+        "rank_correlation": spearman([e.predicted_s for e in entries],
+                                     [e.step_s for e in entries]),
+        "regret": pick.step_s / min(e.step_s for e in entries) - 1,
+        "pick_vs_baselines": {r: e.step_s / pick.step_s for e in baselines for r in e.roles
+                              if r in BASELINES},
+        "plans": [{"roles": e.roles, "plan": e.label(), "predicted_s": e.predicted_s,
+                   "measured_s": e.measured_s} for e in entries],
+    }
+
+
+def table(case: Case, entries: list[Entry]) -> str:
+    pick = next(e for e in entries if "pipec" in e.roles)
+    rows = [(", ".join(e.roles), e.label(), f"{e.predicted_s * 1e3:.1f}",
+             f"{e.step_s * 1e3:.1f}", f"{e.step_s / e.predicted_s - 1:+.1%}",
+             f"{e.step_s / pick.step_s:.2f}") for e in entries]
+    return tabulate(rows, ("plan of", "pp×dp, micro-batch, schedule", "predicted ms",
+                           "measured ms", "error", "÷ pipec's step"), tablefmt="github")
+
+
+def verdict(s: dict[str, Any]) -> str:
+    slower = [f"{r} {v:.2f}" for r, v in s["pick_vs_baselines"].items() if v < 1]
+    return (f"{s['case']}: median error {s['median_error']:+.1%}, worst {s['worst_error']:+.1%}, "
+            f"rank correlation {s['rank_correlation']:.2f}, regret {s['regret']:.1%}; "
+            + ("pick ≥ every baseline" if not slower else
+               "a baseline measured faster (its step ÷ pipec's): " + ", ".join(slower)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--candidates", type=int, default=3)
+    parser.add_argument("--only", nargs="*", default=None, help="case names")
+    parser.add_argument("--json", type=Path, default=None, help="write every figure here")
+    args = parser.parse_args()
+    cases = [c for c in CASES if args.only is None or c.name in args.only]
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ["PIPEC_CACHE_DIR"] = str(Path(tmp) / "cache")  # measured afresh
+        for case in cases:
+            entries = compile_case(case, Path(tmp), args.candidates)
+            for round_ in range(args.rounds):
+                order = entries if round_ % 2 == 0 else entries[::-1]
+                for entry in order:
+                    entry.measured_s.append(train(entry, case.processes, args.steps))
+            print(f"\n### {case.name} ({case.processes} processes, batch {case.batch}: "
+                  f"{case.why})\n\n{table(case, entries)}", flush=True)
+            results.append(summary(case, entries))
+            print(verdict(results[-1]), flush=True)
+    report(results)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+
+
+def report(results: list[dict[str, Any]]) -> None:
+    median = statistics.median(abs(r["median_error"]) for r in results)
+    regret = max(r["regret"] for r in results)
+    beaten = [r["case"] for r in results if any(v < 1 for v in r["pick_vs_baselines"].values())]
+    print(f"\n{len(results)} cases: median step-time error {median:.1%} (target ±"
+          f"{TARGET_ERROR:.0%}), worst regret {regret:.1%} (target ≤ {TARGET_REGRET:.0%}), "
+          f"pick ≥ every baseline in {len(results) - len(beaten)} of {len(results)}"
+          + (f" (not in: {', '.join(beaten)})" if beaten else ""))
+
+
+if __name__ == "__main__":
+    main()
