@@ -209,9 +209,9 @@ def main() -> None:
                   f"{case.why})\n\n{table(case, entries)}", flush=True)
             results.append(summary(case, entries))
             print(verdict(results[-1]), flush=True)
+            if args.json:  # after every case: a long run stopped early keeps what it measured
+                args.json.write_text(json.dumps(results, indent=2) + "\n")
     report(results)
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
 
 
 def report(results: list[dict[str, Any]]) -> None:
