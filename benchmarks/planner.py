@@ -41,7 +41,8 @@ def plan_entry(model: Path, gpus: int, nodes: int, hardware: str, batch: int, sc
     """The plan and the time of the plan pass alone (compile also traces and annotates, a few
     seconds for the largest models, and writes the files)."""
     analyzed = analyze(CompileOptions(model=model, out=out, gpus=gpus, nodes=nodes,
-                                      batch_size=batch, hardware=hardware, schedule=schedule))
+                                      batch_size=batch, hardware=hardware, schedule=schedule,
+                                      measure="off"))
     started = time.perf_counter()
     chosen = planner.plan(analyzed.graph, analyzed.request)
     return chosen, time.perf_counter() - started
