@@ -16,7 +16,7 @@ from pipec.loader import ModelSpec, load_model_file
 from pipec.measured import MEASURE_CHOICES, measure_locally
 from pipec.normalize import plan_norms
 from pipec.onnx_export import export_stages, require_onnx
-from pipec.planner import Plan, PlanRequest, plan
+from pipec.planner import Plan, PlanRequest, check, plan
 from pipec.split import split
 from pipec.trace import Traced, trace_model
 
@@ -64,6 +64,7 @@ def analyze(options: CompileOptions) -> Analyzed:
     traced = trace_model(spec, options.frontend)
     graph = annotate(traced, spec, autocast_device=_device_type(request.devices),
                      bf16_memory=options.precision == "bf16")
+    check(graph, request)  # the user's mistakes before the (slow, first-time) measurement
     return Analyzed(spec, traced, graph, _bind_calibration(_measured(request, options), graph))
 
 
@@ -132,7 +133,7 @@ def _request(options: CompileOptions) -> PlanRequest:
         raise ConfigError(f"--margin {options.margin:.0%}: give a percentage from 0 to 99 (0: "
                           "the fastest predicted plan, however close the runner-up)")
     if options.measure not in MEASURE_CHOICES:
-        raise ConfigError(f"--measure {options.measure!r}: use auto or off")
+        raise ConfigError(f"--measure {options.measure!r} (or PIPEC_MEASURE): use auto or off")
     if options.precision not in ("fp32", "bf16"):
         raise ConfigError(f"--precision {options.precision!r}: use fp32 or bf16")
     return PlanRequest(

@@ -44,9 +44,9 @@ class Device:
     # data made on the host sits in the device's memory).
     device_type: str = "cuda"
     # The training runtime's own time, beyond kernels and links: per forward or backward
-    # action of a stage (torch.distributed.pipelining's bookkeeping, posting its sends and
-    # receives), and per optimizer step (zeroing gradients, the loss's all-reduce, the optimizer
-    # and learning-rate steps, the step's data). 0: not measured for this device.
+    # action of a stage (torch.distributed.pipelining's bookkeeping), and per step (the loss's
+    # all-reduce; the optimizer step and the step's data are terms of their own). 0: not
+    # measured for this device.
     action_overhead_s: float = 0.0
     step_overhead_s: float = 0.0
     # Bus bandwidth of an all-reduce within a node, bytes/s (0: the intra-node link's).

@@ -76,7 +76,8 @@ def measure_locally(model: Path, devices: tuple[Device, ...], processes_per_node
         return None
     threads = training_threads(processes_per_node)
     target = Target(device_type, _device_name(device_type), threads,
-                    _max_micro_batch(batch_size), precision, "keep" if norm == "keep" else "group",
+                    _max_micro_batch(batch_size), precision,
+                    "keep" if norm in ("keep", "sync") else "group",
                     processes_per_node if device_type == "cpu" else 1)
     calibration = _compute_times(model, target)
     if calibration is None:
@@ -94,12 +95,16 @@ def _compute_times(model: Path, target: Target) -> Calibration | None:
     path = cache_dir() / f"{model.stem}-{cache_key(model, target)[:20]}.json"
     cached = _read(path)
     if cached is not None:
-        log.info("compute times of %s on this machine: read from the cache %s", model, path)
+        log.debug("compute times of %s on this machine: read from the cache %s", model, path)
         return replace(cached, source=_source(target, path, cached.contention))
     try:
         measured = _measure(model, target)
     except PipecError as exc:
         log.warning("could not measure %s here (%s); planning from the preset", model, exc)
+        return None
+    except Exception as exc:  # measuring is an option: any failure falls back to the preset
+        log.warning("could not measure %s here (%s: %s); planning from the preset (or pass "
+                    "--measure off)", model, type(exc).__name__, exc)
         return None
     _write(measured, path)
     return replace(measured, source=_source(target, path, measured.contention))
@@ -119,7 +124,7 @@ def _runtime(target: Target, processes: int) -> RuntimeFigures | None:
     log.info("measuring the training runtime on this machine with %d processes, once", processes)
     try:
         figures = probe_runtime(processes, target.threads)
-    except RuntimeError as exc:
+    except (RuntimeError, OSError) as exc:
         log.warning("could not measure the training runtime here (%s); using the preset's "
                     "links", exc)
         return None

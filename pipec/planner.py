@@ -47,6 +47,7 @@ __all__ = [
     "Plan",
     "PlanRequest",
     "StagePlan",
+    "check",
     "plan",
     "uniform_boundaries",
 ]
@@ -63,6 +64,9 @@ def plan(graph: CostGraph, request: PlanRequest) -> Plan:
     searched = Layout(found.best.layout.pp, found.best.layout.dp)
     compared = baselines(costs, searched)
     chosen, decision = adopt(costs, found.near, compared)
+    emitted = Layout(chosen.layout.pp, chosen.layout.dp)
+    if emitted != searched:  # a simpler plan was kept: report the baselines on its layout
+        searched, compared = emitted, baselines(costs, emitted)
     limit = MAX_BATCH_FACTOR * request.global_batch
     return Plan(
         request=request, pp=chosen.layout.pp, dp=chosen.layout.dp,
@@ -75,6 +79,14 @@ def plan(graph: CostGraph, request: PlanRequest) -> Plan:
         virtual_stages=chosen.layout.virtual, pruned=found.pruned,
         device_memory_bytes=chosen.memory, decision=decision,
         step_terms=step_terms(costs, chosen))
+
+
+def check(graph: CostGraph, request: PlanRequest) -> None:
+    """The user errors of ``request`` that need no planning (layouts, micro-batch, schedule),
+    raised before anything slow runs (the driver measures the model after this)."""
+    _check(request)
+    costs = Costs(graph, request)
+    points(costs, layouts_to_search(costs))
 
 
 def _check(request: PlanRequest) -> None:

@@ -13,10 +13,13 @@ with as many processes as the training will run on this machine (pipec.measured 
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
+import queue
 import socket
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,6 +36,7 @@ log = logging.getLogger(__name__)
 LINK_SIZES = (4, 64 * 1024, 1024 * 1024, 4 * 1024 * 1024)
 ALLREDUCE_BYTES = 4 * 1024 * 1024
 MICRO_BATCHES = 16
+TIMEOUT_S = 120  # a worker that fails or is killed must not hang the compile
 
 
 @dataclass(frozen=True)
@@ -51,15 +55,22 @@ def probe_runtime(processes: int, threads: int) -> RuntimeFigures:
     if processes < 2:
         return RuntimeFigures(1, 0.0, 0.0, 0.0, 0.0, 0.0)
     context = mp.get_context("fork")
-    results = context.SimpleQueue()
+    results = context.Queue()
     port = _free_port()
     workers = [context.Process(target=_worker, args=(rank, processes, port, threads, results))
                for rank in range(processes)]
     for worker in workers:
         worker.start()
-    received = [results.get() for _ in workers]
-    for worker in workers:
-        worker.join()
+    try:
+        received = [results.get(timeout=TIMEOUT_S) for _ in workers]
+    except queue.Empty:
+        raise RuntimeError(f"the runtime probe's workers did not answer in {TIMEOUT_S} s") \
+            from None
+    finally:
+        for worker in workers:
+            worker.join(timeout=5)
+            if worker.is_alive():
+                worker.terminate()
     failed = [f for _, f in received if isinstance(f, str)]
     if failed:
         raise RuntimeError(failed[0])
@@ -76,7 +87,8 @@ def _worker(rank: int, world: int, port: int, threads: int, results: Any) -> Non
     try:
         torch.set_num_threads(threads)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        dist.init_process_group("gloo", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=TIMEOUT_S))
         figures = {"links": _links(rank),
                    "action": _action_overhead(rank), "allreduce": _allreduce_s(),
                    "step": _step_s()}
@@ -99,19 +111,25 @@ def side_by_side(run: Callable[[], object], processes: int, repeats: int = 10) -
     """How much slower ``run`` is when ``processes`` processes run it at once than alone (at
     least 1): they share the machine's cores, caches and memory bandwidth. The others are forked
     copies, waiting on a semaphore (not in torch.distributed, whose waits would hold a core)."""
-    alone = _median_s(run, repeats)
     if processes < 2:
         return 1.0
+    alone = _median_s(run, repeats)
     context = mp.get_context("fork")
-    barrier, results = context.Barrier(processes), context.SimpleQueue()
+    barrier, results = context.Barrier(processes, timeout=TIMEOUT_S), context.Queue()
     copies = [context.Process(target=_run_together, args=(run, repeats, barrier, results))
               for _ in range(processes - 1)]
     for copy in copies:
         copy.start()
-    barrier.wait()
-    together = [_median_s(run, repeats)] + [results.get() for _ in copies]
-    for copy in copies:
-        copy.join()
+    try:
+        barrier.wait()
+        together = [_median_s(run, repeats)] + [results.get(timeout=TIMEOUT_S) for _ in copies]
+    except (threading.BrokenBarrierError, queue.Empty):
+        raise RuntimeError(f"the side-by-side copies did not answer in {TIMEOUT_S} s") from None
+    finally:
+        for copy in copies:
+            copy.join(timeout=5)
+            if copy.is_alive():
+                copy.terminate()
     return max(float(statistics.median(together)) / alone, 1.0)
 
 

@@ -38,7 +38,7 @@ def _compile(out: Path, **options: Any) -> Plan:
 def test_compile_measures_here_once_then_reads_the_cache(tmp_path: Path, cache: Path,
                                                          caplog: pytest.LogCaptureFixture
                                                          ) -> None:
-    with caplog.at_level(logging.INFO, logger="pipec.measured"):
+    with caplog.at_level(logging.DEBUG, logger="pipec.measured"):
         first = _compile(tmp_path / "a")
         entries = list(cache.glob("*.json"))
         assert len(entries) == 1 and "measured 11 nodes" in caplog.text
@@ -49,8 +49,9 @@ def test_compile_measures_here_once_then_reads_the_cache(tmp_path: Path, cache: 
     assert calibration is not None and calibration.device == "cpu"
     assert len(calibration.nodes) == 11 and str(entries[0]) in calibration.source
     assert second.request.calibration == calibration
-    # Making the data is measured too, and is a term of the step.
-    assert calibration.data_s[1] > 0 and first.step_terms["data"] > 0
+    # Making the data is measured too (fixed + per sample: one of them is positive), and is a
+    # term of the step.
+    assert sum(calibration.data_s) > 0 and first.step_terms["data"] > 0
     predicted = json.loads((tmp_path / "a" / "plan.json").read_text())["predicted"]
     assert set(predicted["step_terms"]) == {"all_reduce", "optimizer", "data", "runtime"}
     report = (tmp_path / "a" / "report.md").read_text()
@@ -129,8 +130,14 @@ def test_threads_are_those_training_uses(monkeypatch: pytest.MonkeyPatch) -> Non
     assert training_threads(4) == 1  # torchrun's default with several processes per node
 
 
+def test_user_errors_come_before_the_measurement(tmp_path: Path, cache: Path) -> None:
+    with pytest.raises(ConfigError, match="--pp 3 does not divide --gpus 4"):
+        _compile(tmp_path / "out", gpus=4, pp=3)
+    assert not cache.exists()
+
+
 def test_an_unknown_measure_choice_is_a_user_error(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="--measure 'always'"):
+    with pytest.raises(ConfigError, match=r"--measure 'always' \(or PIPEC_MEASURE\)"):
         _compile(tmp_path / "out", measure="always")
 
 

@@ -22,8 +22,8 @@ def _busy() -> None:
         x = x * 1.0001 + 1.0
 
 
+@pytest.mark.skipif((os.cpu_count() or 1) > 2, reason="4 processes share 2 cores only here")
 def test_four_processes_on_two_cores_compute_at_half_speed_or_less() -> None:
-    assert (os.cpu_count() or 1) <= 2  # this machine; more cores share less
     assert side_by_side(_busy, 4, repeats=5) > 1.6
 
 

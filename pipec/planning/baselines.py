@@ -1,5 +1,6 @@
 """The baselines' plans, by the same cost model and simulator as pipec's, and the choice of the
-plan to emit: a baseline's (--strategy), or pipec's unless a feasible baseline is faster."""
+plan to emit: a baseline's (--strategy), or pipec's choice among its own plans and the feasible
+baselines (the fastest, unless a simpler one is within the decision margin)."""
 
 from __future__ import annotations
 
@@ -62,8 +63,8 @@ def adopt(costs: Costs, near: tuple[Evaluated, ...], plans: tuple[BaselinePlan, 
           ) -> tuple[Evaluated, Decision | None]:
     """The plan to emit: a baseline's when asked (--strategy), else pipec's choice among its
     search's plans predicted near the fastest (``near``) and the feasible baselines within what
-    the user fixed (--micro-batch, --schedule, --pp): pipec's search includes the baselines'
-    partitions, so a baseline that simulates faster wins."""
+    the user fixed (--micro-batch, --schedule, --pp): a baseline that simulates faster wins,
+    unless a simpler plan is predicted within the decision margin of it (planning.choice)."""
     request = costs.request
     strategy = request.strategy
     if strategy != "pipec":

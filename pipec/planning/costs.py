@@ -131,7 +131,7 @@ class Costs:
         micro-batch. Small: their time is the all-reduce's latency."""
         channels = np.array([n.batch_norm_channels for n in self.graph.nodes], dtype=float)
         device = min((d for devices in positions for d in devices),
-                     key=lambda d: d.intra_node_bandwidth)
+                     key=lambda d: d.allreduce_bandwidth or d.intra_node_bandwidth)
         per_node = self.request.gpus // self.request.nodes
         spans = spans_nodes(0, layout.pp, layout.dp, per_node)
         fwd = [allreduce_s((2 * c + 1) * 4, layout.dp, device, spans) if c else 0.0

@@ -14,6 +14,7 @@ from pipec.costmodel import (
     spans_nodes,
     stage_memory,
 )
+from pipec.hardware import Device
 from pipec.planning.balance import Balance, boundaries
 from pipec.planning.costs import Costs, Layout, Point, StageCosts
 from pipec.schedule import SCHEDULES, Simulation, in_flight, simulate, stage_lower_bound_s
@@ -100,6 +101,10 @@ def data_s(costs: Costs) -> float:
     return fixed + per_sample * costs.request.global_batch
 
 
+def _allreduce_speed(device: Device) -> float:
+    return device.allreduce_bandwidth or device.intra_node_bandwidth
+
+
 def _optimizer_s(costs: Costs, e: Evaluated) -> float:
     spans = list(itertools.pairwise(e.boundaries))
     pp, optimizer = e.layout.pp, costs.request.training.optimizer
@@ -171,7 +176,7 @@ def sync_s(costs: Costs, e: Evaluated) -> float:
 def _allreduce_s(costs: Costs, layout: Layout, position: int,
                  spans: list[tuple[int, int]]) -> float:
     grad_bytes = sum(float(costs.param_bytes[a:b].sum()) for a, b in spans)
-    link = min(costs.devices(layout, position), key=lambda d: d.intra_node_bandwidth)
+    link = min(costs.devices(layout, position), key=_allreduce_speed)
     per_node = costs.request.gpus // costs.request.nodes
     return allreduce_s(grad_bytes, layout.dp, link,
                        spans_nodes(position, layout.pp, layout.dp, per_node))

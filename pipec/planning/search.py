@@ -70,10 +70,11 @@ def point_order(point: Point) -> tuple[int, int, int, int]:
 def _lower_bound(costs: Costs, point: Point) -> float:
     """No candidate is faster: the schedule's bound on the work at the fastest device's speed
     (schedule.lower_bound_s), then the all-reduce of 1/pp of the gradients over the fastest
-    link."""
+    device's fastest link (within or across nodes)."""
     layout = point.layout
     micro_batches = costs.request.global_batch // (layout.dp * point.micro_batch)
-    fastest = max(costs.request.devices, key=lambda d: d.intra_node_bandwidth)
+    shard = float(costs.param_bytes.sum()) / layout.pp
+    fastest = min(allreduce_s(shard, layout.dp, d, inter) for d in set(costs.request.devices)
+                  for inter in (False, True))
     return (lower_bound_s(costs.fastest_work_s(point.micro_batch), layout.pp, micro_batches,
-                          layout.virtual)
-            + allreduce_s(float(costs.param_bytes.sum()) / layout.pp, layout.dp, fastest))
+                          layout.virtual) + fastest)
