@@ -35,6 +35,7 @@ from pipec.errors import ConfigError, TraceError
 from pipec.loader import load_model_file
 from pipec.normalize import group_norm_rewrites, to_group_norm
 from pipec.probe import side_by_side
+from pipec.steptimes import data_seconds, loss_timing
 from pipec.tensors import flat_tensors
 from pipec.trace import Traced, batch_inputs, trace_model
 
@@ -90,67 +91,11 @@ def profile_model(model: Path, batch_size: int, device: str = "cpu", repeats: in
     forward, backward = fit_samples(samples)
     middle = sizes[len(sizes) // 2]
     contention = side_by_side(lambda: _one_pass(real, inputs[middle], target), processes)
-    loss = _loss_timing(real, inputs, {size: b[1] for size, b in batches.items()},
-                        getattr(spec.module, "loss_fn", F.cross_entropy), target, repeats)
+    loss = loss_timing(real, inputs, {size: b[1] for size, b in batches.items()},
+                       getattr(spec.module, "loss_fn", F.cross_entropy), target, repeats)
     return (Calibration(target.type, forward, backward, _timings(graph, samples), overhead,
-                        contention=contention, data_s=_data_seconds(spec, sizes), loss=loss),
+                        contention=contention, data_s=data_seconds(spec, sizes), loss=loss),
             tuple(samples))
-
-
-def _loss_timing(gm: nn.Module, inputs: dict[int, tuple[torch.Tensor, ...]],
-                 targets: dict[int, Any], loss_fn: Any, device: torch.device, repeats: int
-                 ) -> NodeTiming:
-    """The model file's loss, forward and backward, on the model's real output at each size:
-    what train.py's last stage runs after its nodes (the median of ``repeats`` + 1 runs)."""
-    fwd, bwd = [], []
-    for size, batch in inputs.items():
-        with torch.no_grad():
-            output = fx.node.map_aggregate(gm(*batch), _leaf)
-        target = fx.node.map_aggregate(targets[size], _to(device))
-        times = np.array([_loss_pass(loss_fn, output, target, device)
-                          for _ in range(repeats + 1)])[1:]
-        fwd.append(float(np.median(times[:, 0])))
-        bwd.append(float(np.median(times[:, 1])))
-    return NodeTiming("loss", "loss_fn", tuple(inputs), tuple(fwd), tuple(bwd))
-
-
-def _leaf(value: Any) -> Any:
-    return value.detach().requires_grad_(value.is_floating_point()) if isinstance(
-        value, torch.Tensor) else value
-
-
-def _to(device: torch.device) -> Any:
-    return lambda value: value.to(device) if isinstance(value, torch.Tensor) else value
-
-
-def _loss_pass(loss_fn: Any, output: Any, target: Any, device: torch.device
-               ) -> tuple[float, float]:
-    clock = _Clock(device)
-    started = clock.now()
-    loss = loss_fn(output, target)
-    backward_started = clock.now()
-    loss.backward()
-    return backward_started - started, clock.now() - backward_started
-
-
-def _data_seconds(spec: Any, sizes: list[int]) -> tuple[float, float]:
-    """What train.py's synthetic data costs: sample_batch timed at each size (the median of 5),
-    fitted as fixed seconds + seconds per sample. A model file with train_dataset() reads its
-    own data, which is not timed: (0, 0)."""
-    if hasattr(spec.module, "train_dataset"):
-        return (0.0, 0.0)
-    seconds = []
-    for size in sizes:
-        trials = []
-        for _ in range(5):
-            started = time.perf_counter()
-            spec.sample_batch(size)
-            trials.append(time.perf_counter() - started)
-        seconds.append(float(np.median(trials)))
-    if len(sizes) == 1:
-        return (0.0, seconds[0] / sizes[0])
-    per_sample, fixed = np.polyfit(sizes, seconds, 1)
-    return (max(float(fixed), 0.0), max(float(per_sample), 0.0))
 
 
 class _Autocast(nn.Module):
