@@ -201,6 +201,9 @@ def check_largest_micro_batch(work: Path, hardware: str, device_mib: int, steps:
 
 
 def main() -> None:
+    # Memory depends on no time figure, and every choice is fixed: measuring each model's
+    # compute first (`--measure auto`) would only add seconds per case.
+    os.environ["PIPEC_MEASURE"] = "off"
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--only", nargs="*", default=None, help="case names to run")
