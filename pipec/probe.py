@@ -113,7 +113,7 @@ def side_by_side(run: Callable[[], object], processes: int, repeats: int = 10) -
     copies, waiting on a semaphore (not in torch.distributed, whose waits would hold a core)."""
     if processes < 2:
         return 1.0
-    alone = _median_s(run, repeats)
+    alone = _mean_s(run, repeats)
     context = mp.get_context("fork")
     barrier, results = context.Barrier(processes, timeout=TIMEOUT_S), context.Queue()
     copies = [context.Process(target=_run_together, args=(run, repeats, barrier, results))
@@ -122,10 +122,10 @@ def side_by_side(run: Callable[[], object], processes: int, repeats: int = 10) -
         copy.start()
     try:
         barrier.wait()
-        together = [_median_s(run, repeats)] + [results.get(timeout=TIMEOUT_S) for _ in copies]
+        together = [_mean_s(run, repeats)] + [results.get(timeout=TIMEOUT_S) for _ in copies]
         # Alone again, after: a passing load on the machine (another program) inflates one of
         # the two measurements alone, not both.
-        alone = min(alone, _median_s(run, repeats))
+        alone = min(alone, _mean_s(run, repeats))
     except (threading.BrokenBarrierError, queue.Empty):
         raise RuntimeError(f"the side-by-side copies did not answer in {TIMEOUT_S} s") from None
     finally:
@@ -138,7 +138,18 @@ def side_by_side(run: Callable[[], object], processes: int, repeats: int = 10) -
 
 def _run_together(run: Callable[[], object], repeats: int, barrier: Any, results: Any) -> None:
     barrier.wait()
-    results.put(_median_s(run, repeats))
+    results.put(_mean_s(run, repeats))
+
+
+def _mean_s(run: Callable[[], object], repeats: int) -> float:
+    """Seconds per run over ``repeats`` runs in a row, after one to warm up. The whole span,
+    not a median of runs: processes sharing a core take turns in time slices longer than a
+    short run, so most single runs would see a core of their own."""
+    run()
+    started = time.perf_counter()
+    for _ in range(repeats):
+        run()
+    return (time.perf_counter() - started) / repeats
 
 
 def _links(rank: int) -> dict[int, float]:
