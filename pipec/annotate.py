@@ -217,6 +217,7 @@ def _node_cost(n: fx.Node, one: Measured, two: Measured,
         params=sum(p.numel() for p in params),
         param_bytes=sum(nbytes(p) for p in params),
         buffer_bytes=buffer_bytes, shared_bytes=shared_bytes,
+        autograd_nodes=one.autograd_nodes,
     )
 
 def _shape_at_one(low: torch.Tensor, high: torch.Tensor) -> tuple[int, ...]:

@@ -140,7 +140,8 @@ def findings(c: Comparison) -> tuple[str, ...]:
 
 
 # What the model is known not to count, by device type (docs/cost-model.md).
-UNCOUNTED = {"cpu": "glibc's heap under many tensors smaller than 64 KiB",
+UNCOUNTED = {"cpu": "many small tensors' allocations rounded up to whole pages, or an "
+                    "operator's scratch memory",
              "cuda": "cuDNN's convolution workspaces, or memory the allocator reserves"}
 
 

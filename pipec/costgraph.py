@@ -57,6 +57,9 @@ class NodeCost:
     # A BatchNorm's channels (0: not a BatchNorm): synchronized across replicas, it all-reduces
     # its statistics forward and their gradients backward, once per micro-batch.
     batch_norm_channels: int = 0
+    # The operations autograd records for the node's backward, per micro-batch in flight: each
+    # holds host memory (Device.graph_node_bytes) until the backward runs.
+    autograd_nodes: int = 0
 
 @dataclass(frozen=True)
 class LossCost:

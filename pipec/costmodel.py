@@ -115,7 +115,8 @@ class NodeArrays:
     fwd_s: np.ndarray
     bwd_s: np.ndarray
     static_bytes: np.ndarray  # params + grads + optimizer state + buffers
-    activation_bytes: np.ndarray  # saved for backward, per micro-batch in flight
+    # Saved for backward (on a CPU, with autograd's graph), per micro-batch in flight.
+    activation_bytes: np.ndarray
     boundary_bytes: np.ndarray  # length n + 1: bytes live across each cut, the ends included
     held_bytes: np.ndarray  # length n + 1: of those, what no node saves for backward
     working_bytes: np.ndarray  # per node, alive during its backward; the loss's on the last
@@ -141,7 +142,8 @@ def node_arrays(graph: CostGraph, device: Device, micro_batch: int, training: Tr
     bwd_flops = np.array([n.bwd_flops.at(micro_batch) for n in graph.nodes])
     out_bytes = np.array([n.output_bytes.at(micro_batch) * (n.bf16.output_ratio if bf16 else 1)
                           for n in graph.nodes])
-    saved_bytes = np.array([_saved_bytes(n, micro_batch, bf16) for n in graph.nodes])
+    saved_bytes = np.array([_saved_bytes(n, micro_batch, bf16) + n.autograd_nodes
+                            * device.graph_node_bytes for n in graph.nodes])
     param_bytes = np.array([n.param_bytes for n in graph.nodes], dtype=float)
     moved = out_bytes + param_bytes
     overhead = device.kernel_overhead_s
@@ -250,6 +252,9 @@ class StageMemory:
     data: float  # the step's inputs (first stage) and targets (last stage)
     loss: float  # what loss_fn saves, times the micro-batches in flight (last stage)
     working: float  # the largest backward working set among the stage's nodes (and the loss's)
+    # What the schedule's unfinished sends keep alive (StageRole.holds_sends), beyond the
+    # outputs already counted as held.
+    sent: float = 0.0
     # Zero or negative: when every micro-batch is in flight before the first backward (GPipe),
     # the peak comes before the gradients exist (train.py zeroes them to None each step), or
     # after one micro-batch's activations are freed: the smaller of the two is not held.
@@ -258,7 +263,7 @@ class StageMemory:
     @property
     def total(self) -> float:
         return (self.static + self.activations + self.held_outputs + self.receive_buffers
-                + self.data + self.loss + self.working + self.unmade_gradients)
+                + self.data + self.loss + self.working + self.sent + self.unmade_gradients)
 
 
 @dataclass(frozen=True)
@@ -273,6 +278,10 @@ class StageRole:
     # The end stages hold the step's whole global batch, inputs and targets: the data is made
     # by sample_batch() in the process's own (host) memory, which is the device's on a CPU.
     whole_batch: bool = False
+    # torch's _PipelineScheduleRuntime (interleaved 1F1B) waits for its sends only when the
+    # step ends, and each send's Work keeps its tensor: every output the stage sent and every
+    # input gradient stay alive until then (schedule.HOLDS_SENDS).
+    holds_sends: bool = False
 
     @property
     def peaks_before_gradients(self) -> bool:
@@ -305,6 +314,7 @@ def stage_memory(arrays: NodeArrays, start: int, end: int, role: StageRole) -> S
         data=sum(_data_bytes(arrays, role)),
         loss=f * arrays.loss_bytes if role.last else 0.0,
         working=float(arrays.working_bytes[start:end].max(initial=0.0)),
+        sent=float(_sent_outputs(arrays, end, role) + _sent_gradients(arrays, start, role)),
         unmade_gradients=-unmade_gradients(arrays, start, end) if role.peaks_before_gradients
         else 0.0)
 
@@ -329,15 +339,37 @@ def unmade_gradients(arrays: NodeArrays, start: int, end: int) -> float:
 def ends_bytes(arrays: NodeArrays, role: StageRole) -> tuple[np.ndarray, np.ndarray]:
     """For the partition DP, per cut: what a stage starting there holds for its input (receive
     buffers; at cut 0, the step's inputs) and what a stage ending there holds for its output
-    (gradient buffers and outputs kept for backward; the loss and targets on the last stage).
-    With the span's own terms they add up to ``stage_memory(...).total``."""
+    (gradient buffers and outputs kept for backward; the loss and targets on the last stage),
+    both with what unfinished sends keep (``StageRole.holds_sends``). With the span's own
+    terms they add up to ``stage_memory(...).total``."""
     m, f = role.micro_batches, role.in_flight
     at_start, at_end = _data_bytes(arrays, role)
-    enter = m * arrays.boundary_bytes
+    enter = (2 * m - f if role.holds_sends else m) * arrays.boundary_bytes
     enter[0] = at_start  # only the first stage starts at cut 0
-    leave = f * arrays.held_bytes + (f * arrays.loss_bytes + at_end
-                                     if role.last else m * arrays.boundary_bytes)
+    if role.last:
+        leave = f * (arrays.held_bytes + arrays.loss_bytes) + at_end
+    elif role.holds_sends:  # gradient buffers, and every output kept by its send
+        leave = 2 * m * arrays.boundary_bytes
+    else:
+        leave = f * arrays.held_bytes + m * arrays.boundary_bytes
     return enter, leave
+
+
+def _sent_outputs(arrays: NodeArrays, end: int, role: StageRole) -> float:
+    """Outputs kept by their sends at the stage's peak, less the held outputs counted apart.
+    The peak comes when the last forward has run: every output is sent by then, and f
+    micro-batches are still in flight (their backwards have not run)."""
+    if not role.holds_sends or role.last:
+        return 0.0
+    m, f = role.micro_batches, role.in_flight
+    return float(m * arrays.boundary_bytes[end] - f * arrays.held_bytes[end])
+
+
+def _sent_gradients(arrays: NodeArrays, start: int, role: StageRole) -> float:
+    """Input gradients kept by their sends at that peak: one per backward run, M − f."""
+    if not role.holds_sends or role.first:
+        return 0.0
+    return float((role.micro_batches - role.in_flight) * arrays.boundary_bytes[start])
 
 
 def _data_bytes(arrays: NodeArrays, role: StageRole) -> tuple[float, float]:

@@ -51,6 +51,10 @@ class Device:
     step_overhead_s: float = 0.0
     # Bus bandwidth of an all-reduce within a node, bytes/s (0: the intra-node link's).
     allreduce_bandwidth: float = 0.0
+    # Host bytes per operation autograd records (its graph's node, the records and tensor
+    # objects of what it saves), held while a micro-batch is in flight: counted where the
+    # device's memory is the host's (CPU); 0 elsewhere.
+    graph_node_bytes: float = 0.0
 
 
 # PyTorch's cuBLAS workspace, allocated once per handle and stream through its caching allocator
@@ -92,10 +96,13 @@ PRESETS: dict[str, Device] = {
     # 356 MiB before its model is built (213 MiB of it allocated, the rest mapped files), and
     # the runtime allocates 0.9 MiB more while training. Links measured with
     # benchmarks/links.py (gloo send/recv between two processes, 4 B to 64 MiB): 140 µs and
-    # 1.9 GB/s one way.
+    # 1.9 GB/s one way. Autograd's graph, measured with benchmarks/graph_bytes.py on the
+    # samples at micro-batches 1, 2 and 8: 0.3 to 4.0 KiB per recorded operation, median 1.8
+    # (the GPT 1.7-4.0, the ResNet 1.8-3.6, the MLP 0.3-0.8).
     "cpu": Device("cpu", 0.05 * TFLOPS, 0.02 * TFLOPS, 10 * GB, 8 * GIB, 1.9 * GB, 1 * GB,
                   140e-6, 200e-6, kernel_overhead_s=20e-6, efficiency=1.0,
-                  process_bytes=356 * MIB, runtime_bytes=0.9 * MIB, device_type="cpu"),
+                  process_bytes=356 * MIB, runtime_bytes=0.9 * MIB, device_type="cpu",
+                  graph_node_bytes=2048),
 }
 
 DEFAULT = "a100-80g"

@@ -27,6 +27,9 @@ class Measured:
     bwd_flops: int
     saved_bytes: int  # bytes autograd saves for backward that this node allocated
     saved_output: bool = False  # some node saves this value for backward
+    # The operations autograd records for the node's backward (its graph's nodes), per
+    # micro-batch, each host memory while the micro-batch is in flight.
+    autograd_nodes: int = 0
 
 class _MeasuringInterpreter(fx.Interpreter):
     """Runs the graph on meta tensors, each compute node in isolation (cf. fx's ShapeProp).
@@ -86,14 +89,15 @@ class _MeasuringInterpreter(fx.Interpreter):
         elif key in self.memo:
             value = getattr(self, n.op)(n.target, args, kwargs)
         else:
+            copies = {t.grad_fn for t in inputs if t.grad_fn is not None}  # see _isolate
             value, forward, backward, saved = self._instrumented(n, args, kwargs, leaves)
             self.memo[key] = _Memo(forward, backward, self._recipe(inputs, value, saved),
-                                   self._template(value, inputs))
-        forward, backward, recipe = (self.memo[key].fwd_flops, self.memo[key].bwd_flops,
-                                     self.memo[key].saved)
+                                   self._template(value, inputs), autograd_nodes(value, copies))
+        memo = self.memo[key]
         self.keep_alive += [*leaves, *inputs, *flat_tensors(value)]
-        self._record(n.name, inputs, flat_tensors(value), recipe)
-        self.measured[n.name] = Measured(value, forward, backward, 0)
+        self._record(n.name, inputs, flat_tensors(value), memo.saved)
+        self.measured[n.name] = Measured(value, memo.fwd_flops, memo.bwd_flops, 0,
+                                         autograd_nodes=memo.autograd_nodes)
         return value
 
     def _instrumented(self, n: fx.Node, args: Any, kwargs: Any, leaves: list[torch.Tensor]
@@ -277,6 +281,7 @@ class _Memo:
     bwd_flops: int
     saved: tuple[Saved, ...]
     output: Any  # a template of the output (see _template)
+    autograd_nodes: int = 0
 
 def _rebuildable(template: Any) -> bool:
     if template is _RUN:
@@ -317,8 +322,23 @@ def measure(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...]) -> dict[str, M
         interpreter.run(*inputs)
     saved = interpreter.saved_bytes()
     return {name: Measured(m.value, m.fwd_flops, m.bwd_flops, saved.get(name, 0),
-                            interpreter.is_saved(m.value))
+                            interpreter.is_saved(m.value), m.autograd_nodes)
             for name, m in interpreter.measured.items()}
+
+
+def autograd_nodes(value: Any, below: set[Any] | None = None) -> int:
+    """The backward nodes behind ``value``'s tensors, down to its leaves or to the nodes
+    ``below`` (those of its inputs, not counted). AccumulateGrad nodes are left out: a
+    parameter's is made once and kept, a received input's is the receive buffer's."""
+    seen: set[Any] = set()
+    stack = [t.grad_fn for t in flat_tensors(value)]
+    while stack:
+        function = stack.pop()
+        if function is None or function in seen or function in (below or ()):
+            continue
+        seen.add(function)
+        stack += [f for f, _ in function.next_functions]
+    return sum(1 for f in seen if type(f).__name__ != "AccumulateGrad")
 
 def nbytes(value: Any) -> int:
     if isinstance(value, torch.Tensor):

@@ -11,6 +11,7 @@ from conftest import MODELS, SAMPLES
 from pipec.annotate import CostGraph, annotate
 from pipec.calibrate import measured_saved_bytes
 from pipec.loader import load_model_file
+from pipec.measure import autograd_nodes
 from pipec.trace import Traced, batch_inputs, trace_model
 
 
@@ -114,3 +115,14 @@ def test_a_saved_tensor_counts_once_at_the_node_that_made_it() -> None:
     # The input (64 floats) at the first Linear; each ReLU output (256 floats) once, at the
     # ReLU, although the next Linear saves it too; nothing else.
     assert saved == [64 * 4] + [256 * 4, 0] * 5
+
+
+@pytest.mark.parametrize("name", ["mlp", "resnet", "gpt"])
+def test_autograd_nodes_add_up_to_the_real_models_graph(name: str) -> None:
+    spec = load_model_file(SAMPLES / f"{name}.py")
+    graph = annotate(trace_model(spec), spec)
+    torch.manual_seed(0)
+    inputs, _ = batch_inputs(spec, 2)
+    real = autograd_nodes(spec.build_model().train()(*inputs))
+    assert real > len(graph.nodes) // 2  # a real graph, not an empty count
+    assert sum(n.autograd_nodes for n in graph.nodes) == real

@@ -105,7 +105,7 @@ def test_findings_name_the_assumption_that_is_off() -> None:
     assert "larger than any predicted term" in beyond and "nearest" not in beyond
     assert "cuDNN" in beyond  # the test comparison was measured on CUDA
     on_cpu = replace(_comparison((1.0, 1.0), memory=170.0), device_type="cpu")
-    assert "glibc's heap" in findings(on_cpu)[0]
+    assert "rounded up to whole pages" in findings(on_cpu)[0]
     assert "n/a" in render(_comparison((1.0, 1.0)))
 
 

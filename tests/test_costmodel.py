@@ -7,9 +7,14 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipec.costmodel import NodeArrays, StageRole, ends_bytes, stage_memory
+from conftest import SAMPLES
+from pipec.annotate import annotate
+from pipec.costmodel import NodeArrays, StageRole, Training, ends_bytes, node_arrays, stage_memory
+from pipec.hardware import PRESETS
+from pipec.loader import load_model_file
 from pipec.partition import make_problem
 from pipec.partition import stage_memory as dp_stage_memory
+from pipec.trace import trace_model
 
 
 @st.composite
@@ -31,7 +36,8 @@ def stages(draw: st.DrawFn) -> tuple[NodeArrays, int, int, StageRole]:
     end = n if last else draw(st.integers(start + 1, n - 1))
     # Micro-batches from 1: often all in flight on one replica (a peak before the gradients).
     role = StageRole(index, num_stages, draw(st.integers(1, 16)), draw(st.integers(1, 8)),
-                     draw(st.sampled_from((1, 1, 2, 4))), draw(st.booleans()))
+                     draw(st.sampled_from((1, 1, 2, 4))), draw(st.booleans()),
+                     draw(st.booleans()))
     return arrays, start, end, role
 
 
@@ -87,3 +93,31 @@ def test_a_stage_peaking_before_its_gradients_does_not_hold_them_all() -> None:
     arrays = _two_nodes([20.0, 0.0], [0.0, 20.0])
     assert stage_memory(arrays, 0, 2, StageRole(0, 1, 8, 2)).unmade_gradients == 0.0
     assert stage_memory(arrays, 0, 2, StageRole(0, 1, 4, 4, replicas=2)).unmade_gradients == 0.0
+
+
+def test_an_interleaved_stage_holds_what_it_sent_until_the_step_ends() -> None:
+    """_PipelineScheduleRuntime waits for its sends when the step ends: at a middle stage's
+    peak (its last forward run, f micro-batches still in flight) every output it sent and
+    the M − f input gradients of the backwards run so far are alive."""
+    arrays = NodeArrays(*(np.zeros(2),) * 4, np.array([0.0, 7.0, 0.0]),
+                        np.array([0.0, 3.0, 0.0]), np.zeros(2), 0.0, 0.0)
+    m, f = 8, 3
+    first = stage_memory(arrays, 0, 1, StageRole(0, 2, m, f, holds_sends=True))
+    last = stage_memory(arrays, 1, 2, StageRole(1, 2, m, f, holds_sends=True))
+    assert first.sent == m * 7 - f * 3  # its outputs, beyond the f held ones; no gradient
+    assert last.sent == (m - f) * 7  # the gradients of its input; it sends no output
+    assert first.held_outputs == f * 3
+    waited = stage_memory(arrays, 0, 1, StageRole(0, 2, m, f))  # GPipe and 1F1B wait
+    assert waited.sent == 0.0 and first.total - waited.total == m * 7 - f * 3
+
+
+def test_autograd_graph_is_device_memory_on_a_cpu_only() -> None:
+    spec = load_model_file(SAMPLES / "mlp.py")
+    graph = annotate(trace_model(spec), spec)
+    training = Training("sgd", "fp32")
+    cpu = node_arrays(graph, PRESETS["cpu"], 4, training)
+    gpu = node_arrays(graph, PRESETS["h100-80g"], 4, training)
+    nodes = np.array([n.autograd_nodes for n in graph.nodes])
+    assert nodes.sum() > 0
+    assert np.allclose(cpu.activation_bytes - gpu.activation_bytes,
+                       nodes * PRESETS["cpu"].graph_node_bytes)

@@ -17,7 +17,14 @@ from pipec.costmodel import (
 from pipec.hardware import Device
 from pipec.planning.balance import Balance, boundaries
 from pipec.planning.costs import Costs, Layout, Point, StageCosts
-from pipec.schedule import SCHEDULES, Simulation, in_flight, simulate, stage_lower_bound_s
+from pipec.schedule import (
+    HOLDS_SENDS,
+    SCHEDULES,
+    Simulation,
+    in_flight,
+    simulate,
+    stage_lower_bound_s,
+)
 
 
 @dataclass(frozen=True)
@@ -58,8 +65,9 @@ def partition(costs: Costs, point: Point, balance: Balance,
     # Synthetic data is made whole in the process's memory: the device's own on a CPU.
     whole_batch = costs.graph.synthetic_data and all(
         d.device_type == "cpu" for d in costs.request.devices)
-    roles = tuple(StageRole(k, layout.stages, micro_batches, f, layout.dp, whole_batch)
-                  for k, f in enumerate(flights))
+    holds_sends = point.schedule in HOLDS_SENDS
+    roles = tuple(StageRole(k, layout.stages, micro_batches, f, layout.dp, whole_batch,
+                            holds_sends) for k, f in enumerate(flights))
     bounds = boundaries(costs, point, roles, balance)
     if bounds is None:
         return None
