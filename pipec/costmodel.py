@@ -314,7 +314,7 @@ def stage_memory(arrays: NodeArrays, start: int, end: int, role: StageRole) -> S
         data=sum(_data_bytes(arrays, role)),
         loss=f * arrays.loss_bytes if role.last else 0.0,
         working=float(arrays.working_bytes[start:end].max(initial=0.0)),
-        sent=float(_sent_outputs(arrays, end, role) + _sent_gradients(arrays, start, role)),
+        sent=_sent_bytes(arrays, start, end, role),
         unmade_gradients=-unmade_gradients(arrays, start, end) if role.peaks_before_gradients
         else 0.0)
 
@@ -355,21 +355,15 @@ def ends_bytes(arrays: NodeArrays, role: StageRole) -> tuple[np.ndarray, np.ndar
     return enter, leave
 
 
-def _sent_outputs(arrays: NodeArrays, end: int, role: StageRole) -> float:
-    """Outputs kept by their sends at the stage's peak, less the held outputs counted apart.
-    The peak comes when the last forward has run: every output is sent by then, and f
-    micro-batches are still in flight (their backwards have not run)."""
-    if not role.holds_sends or role.last:
+def _sent_bytes(arrays: NodeArrays, start: int, end: int, role: StageRole) -> float:
+    """What the stage's sends keep at its peak, when its last forward has run (f micro-batches
+    still in flight): every output sent, less the f held outputs counted apart, and the input
+    gradients of the M − f backwards run so far."""
+    if not role.holds_sends:
         return 0.0
     m, f = role.micro_batches, role.in_flight
-    return float(m * arrays.boundary_bytes[end] - f * arrays.held_bytes[end])
-
-
-def _sent_gradients(arrays: NodeArrays, start: int, role: StageRole) -> float:
-    """Input gradients kept by their sends at that peak: one per backward run, M − f."""
-    if not role.holds_sends or role.first:
-        return 0.0
-    return float((role.micro_batches - role.in_flight) * arrays.boundary_bytes[start])
+    outputs = 0.0 if role.last else m * arrays.boundary_bytes[end] - f * arrays.held_bytes[end]
+    return float(outputs + (0.0 if role.first else (m - f) * arrays.boundary_bytes[start]))
 
 
 def _data_bytes(arrays: NodeArrays, role: StageRole) -> tuple[float, float]:
