@@ -313,7 +313,7 @@ def stage_memory(arrays: NodeArrays, start: int, end: int, role: StageRole) -> S
         receive_buffers=float(received + gradients),
         data=sum(_data_bytes(arrays, role)),
         loss=f * arrays.loss_bytes if role.last else 0.0,
-        working=float(arrays.working_bytes[start:end].max(initial=0.0)),
+        working=float(working_bytes(arrays, role)[start:end].max(initial=0.0)),
         sent=_sent_bytes(arrays, start, end, role),
         unmade_gradients=-unmade_gradients(arrays, start, end) if role.peaks_before_gradients
         else 0.0)
@@ -334,6 +334,17 @@ def unmade_gradients(arrays: NodeArrays, start: int, end: int) -> float:
     after = np.cumsum(arrays.activation_bytes[start:end][::-1])[::-1] - \
         arrays.activation_bytes[start:end]  # A[>i]
     return float(min(gradients.sum(), (before + after).min()))
+
+
+def working_bytes(arrays: NodeArrays, role: StageRole) -> np.ndarray:
+    """Per node, what its backward holds besides what stays: the gradients of its output and
+    inputs and, when gradients accumulate (more than one micro-batch per step, or DDP copying
+    into its buckets), the micro-batch's own gradient of the node's parameters, made before
+    autograd adds it to .grad. The same for every stage of a point (the DP's array)."""
+    accumulates = role.micro_batches > 1 or role.replicas > 1
+    if not accumulates or arrays.gradient_bytes.size == 0:
+        return arrays.working_bytes
+    return arrays.working_bytes + arrays.gradient_bytes
 
 
 def ends_bytes(arrays: NodeArrays, role: StageRole) -> tuple[np.ndarray, np.ndarray]:

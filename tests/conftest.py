@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 # One thread per process: several training processes share this machine's two cores, and forked
@@ -16,6 +17,7 @@ import runpy
 import socket
 import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -24,7 +26,7 @@ import torch.distributed.pipelining
 import torch.multiprocessing as mp
 
 from pipec.driver import CompileOptions, compile_model
-from pipec.outdir import emitted_modules  # noqa: F401  (re-exported for the tests)
+from pipec.outdir import emitted_modules
 from pipec.planner import Plan
 
 torch.set_num_threads(1)
@@ -119,3 +121,13 @@ def run_as_pipeline(stages_module: Any, model: torch.nn.Module,
         if pairs:
             torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
     return output
+
+
+def emitted_train(out: Path) -> ModuleType:
+    """The emitted train.py as a module (not run), with its model and stages."""
+    with emitted_modules(out):
+        spec = importlib.util.spec_from_file_location("emitted_train", out / "train.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return module

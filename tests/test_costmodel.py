@@ -9,7 +9,15 @@ from hypothesis import strategies as st
 
 from conftest import SAMPLES
 from pipec.annotate import annotate
-from pipec.costmodel import NodeArrays, StageRole, Training, ends_bytes, node_arrays, stage_memory
+from pipec.costmodel import (
+    NodeArrays,
+    StageRole,
+    Training,
+    ends_bytes,
+    node_arrays,
+    stage_memory,
+    working_bytes,
+)
 from pipec.hardware import PRESETS
 from pipec.loader import load_model_file
 from pipec.partition import make_problem
@@ -49,7 +57,7 @@ def test_the_dp_counts_exactly_the_stage_memory_terms(case: tuple) -> None:
     problem = make_problem(arrays.fwd_s, arrays.static_bytes, arrays.activation_bytes,
                            arrays.cut_bytes, np.ones(len(arrays.fwd_s) + 1, bool),
                            (float("inf"),), (role.in_flight,), enter, leave,
-                           arrays.working_bytes, arrays.gradient_bytes,
+                           working_bytes(arrays, role), arrays.gradient_bytes,
                            (role.peaks_before_gradients,))
     expected = stage_memory(arrays, start, end, role).total
     assert abs(dp_stage_memory(problem, 0, start, end) - expected) <= 1e-9 * max(1.0, expected)
@@ -81,7 +89,9 @@ def test_a_stage_peaking_before_its_gradients_does_not_hold_them_all() -> None:
     # activations are freed: the whole 20 of gradients is never held with all activations.
     early = stage_memory(_two_nodes([20.0, 0.0], [0.0, 20.0]), 0, 2, StageRole(0, 1, 4, 4))
     assert early.unmade_gradients == -20.0
-    assert early.total == 60 + 4 * 20 - 20
+    # Its working set: node 0's gradient of a later micro-batch, before it is added to .grad.
+    assert early.working == 20.0
+    assert early.total == 60 + 4 * 20 - 20 + 20
     # Gradients late (a language model's head), activations early: the head's gradient is
     # made before anything is freed, so nothing is saved.
     late = stage_memory(_two_nodes([0.0, 20.0], [20.0, 0.0]), 0, 2, StageRole(0, 1, 4, 4))
@@ -93,6 +103,16 @@ def test_a_stage_peaking_before_its_gradients_does_not_hold_them_all() -> None:
     arrays = _two_nodes([20.0, 0.0], [0.0, 20.0])
     assert stage_memory(arrays, 0, 2, StageRole(0, 1, 8, 2)).unmade_gradients == 0.0
     assert stage_memory(arrays, 0, 2, StageRole(0, 1, 4, 4, replicas=2)).unmade_gradients == 0.0
+
+
+def test_accumulating_micro_batches_hold_one_more_gradient_of_a_node() -> None:
+    """From the second micro-batch of a step (or under DDP, which copies each gradient into
+    its bucket), a node's backward makes its parameters' gradient before autograd adds it to
+    .grad: the stage's working set is at least its largest node's gradient."""
+    arrays = _two_nodes([20.0, 5.0], [1.0, 1.0])
+    assert stage_memory(arrays, 0, 2, StageRole(0, 1, 1, 1)).working == 0.0
+    assert stage_memory(arrays, 0, 2, StageRole(0, 1, 8, 1)).working == 20.0
+    assert stage_memory(arrays, 0, 2, StageRole(0, 1, 1, 1, replicas=2)).working == 20.0
 
 
 def test_an_interleaved_stage_holds_what_it_sent_until_the_step_ends() -> None:

@@ -3,13 +3,12 @@ schedule, global gradient clipping, stopping on a non-finite loss, sharded real 
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType, SimpleNamespace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from conftest import (
     STEP_LINE,
     compile_to,
     emitted_modules,
+    emitted_train,
     run_forked,
     run_forked_text,
 )
@@ -167,16 +167,6 @@ def test_clipping_with_a_stage_without_parameters(tmp_path: Path) -> None:
     assert column(piped, "grad_norm") == pytest.approx(column(one, "grad_norm"), rel=1e-4)
     assert column(one, "grad_norm")[0] > 0.1
     assert column(piped, "loss") == pytest.approx(column(one, "loss"), rel=1e-4)
-
-
-def emitted_train(out: Path) -> ModuleType:
-    """The emitted train.py as a module (not run), with its model and stages."""
-    with emitted_modules(out):
-        spec = importlib.util.spec_from_file_location("emitted_train", out / "train.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return module
 
 
 def test_a_rank_without_gradients_reduces_the_norm_on_its_own_device(

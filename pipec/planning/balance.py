@@ -11,7 +11,7 @@ from typing import Literal
 
 import numpy as np
 
-from pipec.costmodel import StageRole, ends_bytes, stage_memory
+from pipec.costmodel import StageRole, ends_bytes, stage_memory, working_bytes
 from pipec.partition import Problem, make_problem, solve
 from pipec.planning.costs import BoundaryKey, Costs, Point
 
@@ -92,7 +92,7 @@ def _problem(costs: Costs, point: Point, roles: tuple[StageRole, ...], balance: 
     enter, leave = zip(*(ends_bytes(arrays, role) for role in roles), strict=True)
     return make_problem(sc.time_s, arrays.static_bytes, arrays.activation_bytes, sc.cut_s,
                         costs.legal, sc.stage_capacity(layout), flights, np.stack(enter),
-                        np.stack(leave), arrays.working_bytes, arrays.gradient_bytes,
+                        np.stack(leave), working_bytes(arrays, roles[0]), arrays.gradient_bytes,
                         tuple(role.peaks_before_gradients for role in roles))
 
 
