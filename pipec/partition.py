@@ -103,7 +103,7 @@ def stage_memory(p: Problem, stage: int, start: int, end: int) -> float:
 def unmade_gradients(p: Problem, stage: int, start: int, end: int) -> float:
     """For a stage peaking before its gradients, what it does not hold: G over the span, or
     less, min over its nodes i of G[start, i) + A(i, end), while node i's backward runs
-    (pipec.costmodel.unmade_gradients)."""
+    (pipec.stagememory.unmade_gradients)."""
     if not p.before_gradients[stage] or end <= start:
         return 0.0
     gradients = p.gradient_bytes[end] - p.gradient_bytes[start]

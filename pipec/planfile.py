@@ -9,9 +9,9 @@ from collections.abc import Iterable
 from dataclasses import asdict
 from typing import Any
 
-from pipec.costmodel import StageMemory
 from pipec.normalize import NormPlan
 from pipec.planner import Plan
+from pipec.stagememory import StageMemory
 from pipec.trace import Traced
 
 

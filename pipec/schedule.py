@@ -21,7 +21,7 @@ import numpy as np
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 # Schedules whose torch runtime (_PipelineScheduleRuntime) waits for its sends only at the end
-# of the step: the tensors sent stay alive until then (costmodel.StageRole.holds_sends).
+# of the step: the tensors sent stay alive until then (stagememory.StageRole.holds_sends).
 # ScheduleGPipe and Schedule1F1B wait for each send within the step.
 HOLDS_SENDS = frozenset({"interleaved"})
 

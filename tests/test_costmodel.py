@@ -1,5 +1,5 @@
 """The memory terms: the DP's view of a stage (its span plus what its ends hold) is exactly
-costmodel.stage_memory, term for term summed, for any stage of any pipeline."""
+stagememory.stage_memory, term for term summed, for any stage of any pipeline."""
 
 from __future__ import annotations
 
@@ -9,19 +9,12 @@ from hypothesis import strategies as st
 
 from conftest import SAMPLES
 from pipec.annotate import annotate
-from pipec.costmodel import (
-    NodeArrays,
-    StageRole,
-    Training,
-    ends_bytes,
-    node_arrays,
-    stage_memory,
-    working_bytes,
-)
+from pipec.costmodel import NodeArrays, Training, node_arrays
 from pipec.hardware import PRESETS
 from pipec.loader import load_model_file
 from pipec.partition import make_problem
 from pipec.partition import stage_memory as dp_stage_memory
+from pipec.stagememory import StageRole, ends_bytes, stage_memory, working_bytes
 from pipec.trace import trace_model
 
 

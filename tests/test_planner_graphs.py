@@ -2,7 +2,7 @@
 
 The graphs are chains of nodes whose costs are round numbers on a device without overheads,
 latencies or fragmentation, so that every expected value below is computed by hand from the
-terms of ``pipec.costmodel.stage_memory`` (docs/cost-model.md), not by the planner's code.
+terms of ``pipec.stagememory.stage_memory`` (docs/cost-model.md), not by the planner's code.
 """
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ from dataclasses import replace
 import pytest
 
 from pipec.annotate import CostGraph, Linear, LossCost, NodeCost
-from pipec.costmodel import StageMemory, Training
+from pipec.costmodel import Training
 from pipec.errors import InfeasibleError
 from pipec.hardware import Device
 from pipec.planner import MaxBatch, Plan, PlanRequest, plan
+from pipec.stagememory import StageMemory
 
 KIB, MIB = 2**10, 2**20
 ZERO = Linear(0.0, 0.0)

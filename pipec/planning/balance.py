@@ -11,9 +11,9 @@ from typing import Literal
 
 import numpy as np
 
-from pipec.costmodel import StageRole, ends_bytes, stage_memory, working_bytes
 from pipec.partition import Problem, make_problem, solve
 from pipec.planning.costs import BoundaryKey, Costs, Point
+from pipec.stagememory import StageRole, ends_bytes, stage_memory, working_bytes
 
 Balance = Literal["time_within_memory", "time", "parameters", "uniform"]
 

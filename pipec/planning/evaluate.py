@@ -7,12 +7,9 @@ import itertools
 from dataclasses import dataclass, replace
 
 from pipec.costmodel import (
-    StageMemory,
-    StageRole,
     allreduce_s,
     optimizer_s,
     spans_nodes,
-    stage_memory,
 )
 from pipec.hardware import Device
 from pipec.planning.balance import Balance, boundaries
@@ -25,6 +22,7 @@ from pipec.schedule import (
     simulate,
     stage_lower_bound_s,
 )
+from pipec.stagememory import StageMemory, StageRole, stage_memory
 
 
 @dataclass(frozen=True)

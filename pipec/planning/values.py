@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pipec.costmodel import Calibration, StageMemory, Training
+from pipec.costmodel import Calibration, Training
 from pipec.hardware import Device
 from pipec.schedule import Simulation
+from pipec.stagememory import StageMemory
 
 if TYPE_CHECKING:
     from pipec.planning.choice import Decision

@@ -1,0 +1,158 @@
+"""Memory per stage (docs/cost-model.md, "Memory per device"): what each stage holds at its
+peak, term by term, and the same terms as the partition DP sees them (its span and its ends)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipec.costmodel import NodeArrays
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """One stage's peak bytes, by term (docs/cost-model.md)."""
+
+    static: float  # weights, gradients, optimizer state, buffers
+    activations: float  # saved for backward, times the micro-batches in flight
+    held_outputs: float  # outputs no node saves, kept by the runtime until their backward
+    receive_buffers: float  # one per micro-batch, for the input and for the output's gradient
+    data: float  # the step's inputs (first stage) and targets (last stage)
+    loss: float  # what loss_fn saves, times the micro-batches in flight (last stage)
+    working: float  # the largest backward working set among the stage's nodes (and the loss's)
+    # What the schedule's unfinished sends keep alive (StageRole.holds_sends), beyond the
+    # outputs already counted as held.
+    sent: float = 0.0
+    # Zero or negative: when every micro-batch is in flight before the first backward (GPipe),
+    # the peak comes before the gradients exist (train.py zeroes them to None each step), or
+    # after one micro-batch's activations are freed: the smaller of the two is not held.
+    unmade_gradients: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return (self.static + self.activations + self.held_outputs + self.receive_buffers
+                + self.data + self.loss + self.working + self.sent + self.unmade_gradients)
+
+
+@dataclass(frozen=True)
+class StageRole:
+    """Where a stage sits and how much of the step it holds at once."""
+
+    index: int
+    num_stages: int
+    micro_batches: int  # per step and replica: the runtime allocates buffers for each
+    in_flight: int  # micro-batches whose activations it holds at once
+    replicas: int = 1  # data-parallel replicas of the stage
+    # The end stages hold the step's whole global batch, inputs and targets: the data is made
+    # by sample_batch() in the process's own (host) memory, which is the device's on a CPU.
+    whole_batch: bool = False
+    # torch's _PipelineScheduleRuntime (interleaved 1F1B) waits for its sends only when the
+    # step ends, and each send's Work keeps its tensor: every output the stage sent and every
+    # input gradient stay alive until then (schedule.HOLDS_SENDS).
+    holds_sends: bool = False
+
+    @property
+    def peaks_before_gradients(self) -> bool:
+        """Every micro-batch is in flight before the first backward, and the gradients are
+        the stage's own (DDP's buckets, under data parallelism, exist all along)."""
+        return self.in_flight >= self.micro_batches and self.replicas == 1
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.num_stages - 1
+
+
+def stage_memory(arrays: NodeArrays, start: int, end: int, role: StageRole) -> StageMemory:
+    """The peak of the stage over nodes [start, end) under torch.distributed.pipelining:
+    ``PipelineStage`` allocates a receive buffer per micro-batch for its input and for its
+    output's gradient and keeps them across steps, caches each micro-batch's outputs until its
+    backward, and the schedule splits the step's whole batch into micro-batches up front."""
+    m, f = role.micro_batches, role.in_flight
+    received = 0.0 if role.first else m * arrays.boundary_bytes[start]
+    gradients = 0.0 if role.last else m * arrays.boundary_bytes[end]
+    return StageMemory(
+        static=float(arrays.static_bytes[start:end].sum()),
+        activations=f * float(arrays.activation_bytes[start:end].sum()),
+        held_outputs=f * float(arrays.held_bytes[end]),
+        receive_buffers=float(received + gradients),
+        data=sum(_data_bytes(arrays, role)),
+        loss=f * arrays.loss_bytes if role.last else 0.0,
+        working=float(working_bytes(arrays, role)[start:end].max(initial=0.0)),
+        sent=_sent_bytes(arrays, start, end, role),
+        unmade_gradients=-unmade_gradients(arrays, start, end) if role.peaks_before_gradients
+        else 0.0)
+
+
+def unmade_gradients(arrays: NodeArrays, start: int, end: int) -> float:
+    """What a stage peaking before its gradients does not hold, over nodes [start, end).
+
+    Its first backward runs node by node from the end: when node i's runs, the gradients of
+    nodes ≥ i exist and the activations saved by nodes > i are freed. Before it the stage holds
+    static − G + f·A; at node i, static − G + f·A + G[≥i] − A[>i]; after it, static + (f−1)·A.
+    So the stage always holds static + f·A less at most min over i of (G[<i] + A[>i]), and
+    less G."""
+    if end <= start:
+        return 0.0
+    gradients = arrays.gradient_bytes[start:end]
+    before = np.concatenate(([0.0], np.cumsum(gradients)[:-1]))  # G[<i]
+    after = np.cumsum(arrays.activation_bytes[start:end][::-1])[::-1] - \
+        arrays.activation_bytes[start:end]  # A[>i]
+    return float(min(gradients.sum(), (before + after).min()))
+
+
+def working_bytes(arrays: NodeArrays, role: StageRole) -> np.ndarray:
+    """Per node, what its backward holds besides what stays: the gradients of its output and
+    inputs and, when gradients accumulate (more than one micro-batch per step, or DDP copying
+    into its buckets), the micro-batch's own gradient of the node's parameters, made before
+    autograd adds it to .grad. The same for every stage of a point (the DP's array)."""
+    accumulates = role.micro_batches > 1 or role.replicas > 1
+    if not accumulates or arrays.gradient_bytes.size == 0:
+        return arrays.working_bytes
+    accumulated: np.ndarray = arrays.working_bytes + arrays.gradient_bytes
+    return accumulated
+
+
+def ends_bytes(arrays: NodeArrays, role: StageRole) -> tuple[np.ndarray, np.ndarray]:
+    """For the partition DP, per cut: what a stage starting there holds for its input (receive
+    buffers; at cut 0, the step's inputs) and what a stage ending there holds for its output
+    (gradient buffers and outputs kept for backward; the loss and targets on the last stage),
+    both with what unfinished sends keep (``StageRole.holds_sends``). With the span's own
+    terms they add up to ``stage_memory(...).total``."""
+    m, f = role.micro_batches, role.in_flight
+    at_start, at_end = _data_bytes(arrays, role)
+    enter = (2 * m - f if role.holds_sends else m) * arrays.boundary_bytes
+    enter[0] = at_start  # only the first stage starts at cut 0
+    if role.last:
+        leave = f * (arrays.held_bytes + arrays.loss_bytes) + at_end
+    elif role.holds_sends:  # gradient buffers, and every output kept by its send
+        leave = 2 * m * arrays.boundary_bytes
+    else:
+        leave = f * arrays.held_bytes + m * arrays.boundary_bytes
+    return enter, leave
+
+
+def _sent_bytes(arrays: NodeArrays, start: int, end: int, role: StageRole) -> float:
+    """What the stage's sends keep at its peak, when its last forward has run (f micro-batches
+    still in flight): every output sent, less the f held outputs counted apart, and the input
+    gradients of the M − f backwards run so far."""
+    if not role.holds_sends:
+        return 0.0
+    m, f = role.micro_batches, role.in_flight
+    outputs = 0.0 if role.last else m * arrays.boundary_bytes[end] - f * arrays.held_bytes[end]
+    return float(outputs + (0.0 if role.first else (m - f) * arrays.boundary_bytes[start]))
+
+
+def _data_bytes(arrays: NodeArrays, role: StageRole) -> tuple[float, float]:
+    """The step's data a stage holds, counted (at its start, at its end): the first stage its
+    replica's inputs, the last its targets; or, with the whole batch made on the device, both
+    in full on each end stage (once on a stage that is both)."""
+    m, inputs, targets = role.micro_batches, arrays.boundary_bytes[0], arrays.target_bytes
+    if role.whole_batch:
+        whole = float(m * role.replicas * (inputs + targets))
+        return (whole if role.first else 0.0, whole if role.last and not role.first else 0.0)
+    return (float(m * inputs) if role.first else 0.0, float(m * targets) if role.last else 0.0)
