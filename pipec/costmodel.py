@@ -8,6 +8,7 @@ A boundary costs ``latency + bytes / link bandwidth`` forward and the same again
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -124,6 +125,15 @@ class NodeArrays:
     target_bytes: float  # one micro-batch's targets
     # Per node, the gradients of its parameters (part of static_bytes).
     gradient_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))
+
+    @functools.cached_property
+    def accumulating_working_bytes(self) -> np.ndarray:
+        """working_bytes with each node's parameter gradient (stagememory.working_bytes), made
+        once: the planner asks for it at every stage it weighs."""
+        if self.gradient_bytes.size == 0:
+            return self.working_bytes
+        accumulated: np.ndarray = self.working_bytes + self.gradient_bytes
+        return accumulated
 
     @property
     def cut_bytes(self) -> np.ndarray:

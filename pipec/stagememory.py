@@ -111,10 +111,7 @@ def working_bytes(arrays: NodeArrays, role: StageRole) -> np.ndarray:
     into its buckets), the micro-batch's own gradient of the node's parameters, made before
     autograd adds it to .grad. The same for every stage of a point (the DP's array)."""
     accumulates = role.micro_batches > 1 or role.replicas > 1
-    if not accumulates or arrays.gradient_bytes.size == 0:
-        return arrays.working_bytes
-    accumulated: np.ndarray = arrays.working_bytes + arrays.gradient_bytes
-    return accumulated
+    return arrays.accumulating_working_bytes if accumulates else arrays.working_bytes
 
 
 def ends_bytes(arrays: NodeArrays, role: StageRole) -> tuple[np.ndarray, np.ndarray]:
