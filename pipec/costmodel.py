@@ -251,6 +251,11 @@ def usable_memory(device: Device) -> float:
     return (device.memory_bytes - device.process_bytes) * (1 - device.fragmentation)
 
 
+def allreduce_bandwidth(device: Device) -> float:
+    """An all-reduce's bus bandwidth within a node: measured, else the intra-node link's."""
+    return device.allreduce_bandwidth or device.intra_node_bandwidth
+
+
 def allreduce_s(grad_bytes: float, replicas: int, device: Device, inter_node: bool = False
                 ) -> float:
     """Ring all-reduce over ``replicas`` devices: 2(d−1) steps, each paying the link's latency,
@@ -261,7 +266,7 @@ def allreduce_s(grad_bytes: float, replicas: int, device: Device, inter_node: bo
         return 0.0
     latency = device.inter_node_latency_s if inter_node else device.intra_node_latency_s
     bandwidth = (device.inter_node_bandwidth if inter_node
-                 else device.allreduce_bandwidth or device.intra_node_bandwidth)
+                 else allreduce_bandwidth(device))
     steps = 2 * (replicas - 1)
     return steps * latency + steps / replicas * grad_bytes / bandwidth
 

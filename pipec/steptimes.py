@@ -12,6 +12,7 @@ import torch
 from torch import fx, nn
 
 from pipec.costmodel import NodeTiming
+from pipec.loader import ModelSpec
 
 
 def loss_timing(gm: nn.Module, inputs: dict[int, tuple[torch.Tensor, ...]],
@@ -55,11 +56,11 @@ def _now(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def data_seconds(spec: Any, sizes: list[int]) -> tuple[float, float]:
+def data_seconds(spec: ModelSpec, sizes: list[int]) -> tuple[float, float]:
     """What train.py's synthetic data costs: sample_batch timed at each size (the median of 5),
     fitted as fixed seconds + seconds per sample. A model file with train_dataset() reads its
     own data, which is not timed: (0, 0)."""
-    if hasattr(spec.module, "train_dataset"):
+    if spec.has_train_dataset:
         return (0.0, 0.0)
     seconds = []
     for size in sizes:

@@ -24,7 +24,8 @@ def test_the_loss_is_timed_at_each_size_on_the_models_output() -> None:
 
 def _spec(**functions: Any) -> Any:
     module = types.SimpleNamespace(**functions)
-    return types.SimpleNamespace(module=module, sample_batch=functions["sample_batch"])
+    return types.SimpleNamespace(module=module, sample_batch=functions["sample_batch"],
+                                 has_train_dataset="train_dataset" in functions)
 
 
 def test_the_data_is_timed_as_fixed_plus_per_sample_seconds() -> None:

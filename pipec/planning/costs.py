@@ -9,6 +9,7 @@ import numpy as np
 from pipec.costgraph import CostGraph
 from pipec.costmodel import (
     NodeArrays,
+    allreduce_bandwidth,
     allreduce_s,
     boundary_s,
     crosses_nodes,
@@ -131,7 +132,7 @@ class Costs:
         micro-batch. Small: their time is the all-reduce's latency."""
         channels = np.array([n.batch_norm_channels for n in self.graph.nodes], dtype=float)
         device = min((d for devices in positions for d in devices),
-                     key=lambda d: d.allreduce_bandwidth or d.intra_node_bandwidth)
+                     key=allreduce_bandwidth)
         per_node = self.request.gpus // self.request.nodes
         spans = spans_nodes(0, layout.pp, layout.dp, per_node)
         fwd = [allreduce_s((2 * c + 1) * 4, layout.dp, device, spans) if c else 0.0

@@ -7,11 +7,11 @@ import itertools
 from dataclasses import dataclass, replace
 
 from pipec.costmodel import (
+    allreduce_bandwidth,
     allreduce_s,
     optimizer_s,
     spans_nodes,
 )
-from pipec.hardware import Device
 from pipec.planning.balance import Balance, boundaries
 from pipec.planning.costs import Costs, Layout, Point, StageCosts
 from pipec.schedule import (
@@ -107,10 +107,6 @@ def data_s(costs: Costs) -> float:
     return fixed + per_sample * costs.request.global_batch
 
 
-def _allreduce_speed(device: Device) -> float:
-    return device.allreduce_bandwidth or device.intra_node_bandwidth
-
-
 def _optimizer_s(costs: Costs, e: Evaluated) -> float:
     spans = list(itertools.pairwise(e.boundaries))
     pp, optimizer = e.layout.pp, costs.request.training.optimizer
@@ -182,7 +178,7 @@ def sync_s(costs: Costs, e: Evaluated) -> float:
 def _allreduce_s(costs: Costs, layout: Layout, position: int,
                  spans: list[tuple[int, int]]) -> float:
     grad_bytes = sum(float(costs.param_bytes[a:b].sum()) for a, b in spans)
-    link = min(costs.devices(layout, position), key=_allreduce_speed)
+    link = min(costs.devices(layout, position), key=allreduce_bandwidth)
     per_node = costs.request.gpus // costs.request.nodes
     return allreduce_s(grad_bytes, layout.dp, link,
                        spans_nodes(position, layout.pp, layout.dp, per_node))
