@@ -63,17 +63,21 @@ def _replace(staging: Path, out: Path) -> None:
     shutil.rmtree(retired, ignore_errors=True)
 
 
+_EMITTED = ("model", "stages", "weights")
+
+
 @contextlib.contextmanager
 def emitted_modules(directory: Path) -> Iterator[tuple[ModuleType, ModuleType]]:
-    """Import the emitted model.py and stages.py as train.py does, then forget them."""
-    saved: dict[str, ModuleType] = {name: sys.modules.pop(name) for name in ("model", "stages")
+    """Import the emitted model.py and stages.py as train.py does, then forget them (and
+    weights.py, which train.py imports)."""
+    saved: dict[str, ModuleType] = {name: sys.modules.pop(name) for name in _EMITTED
                                     if name in sys.modules}
     sys.path.insert(0, str(directory))
     try:
         yield _import(directory, "model"), _import(directory, "stages")
     finally:
         sys.path.remove(str(directory))
-        for name in ("model", "stages"):
+        for name in _EMITTED:
             sys.modules.pop(name, None)
         sys.modules.update(saved)
 

@@ -3,6 +3,7 @@ schedule, global gradient clipping, stopping on a non-finite loss, sharded real 
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -12,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from conftest import (
     MODELS,
@@ -45,26 +47,28 @@ def test_resume_reproduces_an_uninterrupted_run(tmp_path: Path) -> None:
                                      "--checkpoint-dir", str(tmp_path / "ck"),
                                      logs=tmp_path / "first"))
     # A killed later save: a folder without its COMPLETE marker, a half-written file.
-    (tmp_path / "ck" / "step_00000004").mkdir()
-    (tmp_path / "ck" / "step_00000004" / "rank_0.pt").write_bytes(b"\x80half")
+    (tmp_path / "ck" / "step_00000004.partial").mkdir()
+    (tmp_path / "ck" / "step_00000004.partial" / "__0_0.distcp").write_bytes(b"\x80half")
     rest = steps_of(run_forked_text(tmp_path / "o", 2, "--steps", "6", *schedule,
                                     "--checkpoint-dir", str(tmp_path / "ck"), "--resume",
                                     logs=tmp_path / "rest"))
     assert sorted(first) == [1, 2, 3] and sorted(rest) == [4, 5, 6]
     assert {**first, **rest} == whole  # exactly: weights, optimizer, schedule, dropout RNG
     saved = sorted(p.name for p in (tmp_path / "ck").iterdir())
-    assert saved == ["step_00000003", "step_00000004", "step_00000006"]
+    assert saved == ["step_00000003", "step_00000004.partial", "step_00000006"]
     assert sorted(p.name for p in (tmp_path / "ck" / "step_00000006").iterdir()) == [
-        "COMPLETE", "rank_0.pt", "rank_1.pt"]
+        ".metadata", "COMPLETE", "__0_0.distcp", "__1_0.distcp"]
 
 
-def test_resume_refuses_another_plans_checkpoint(tmp_path: Path) -> None:
-    compile_to(MODELS / "dropout_mlp.py", tmp_path / "two", gpus=2, batch_size=16)
-    compile_to(MODELS / "dropout_mlp.py", tmp_path / "one", gpus=1, batch_size=16)
-    run_forked(tmp_path / "two", 2, "--steps", "2", "--checkpoint-dir", str(tmp_path / "ck"))
-    result = run_script(tmp_path / "one", "--steps", "3", "--checkpoint-dir",
+def test_resume_refuses_another_optimizers_checkpoint(tmp_path: Path) -> None:
+    compile_to(MODELS / "dropout_mlp.py", tmp_path / "adamw", gpus=2, batch_size=16,
+               optimizer="adamw")
+    compile_to(MODELS / "dropout_mlp.py", tmp_path / "sgd", gpus=1, batch_size=16)
+    run_forked(tmp_path / "adamw", 2, "--steps", "2", "--checkpoint-dir", str(tmp_path / "ck"))
+    result = run_script(tmp_path / "sgd", "--steps", "3", "--checkpoint-dir",
                         str(tmp_path / "ck"), "--resume")
-    assert result.returncode != 0 and "written by another plan" in result.stderr
+    assert result.returncode != 0 and "holds adamw state; this plan trains with sgd" \
+        in result.stderr
 
 
 def test_checkpoints_keep_the_newest(tmp_path: Path) -> None:
@@ -73,8 +77,8 @@ def test_checkpoints_keep_the_newest(tmp_path: Path) -> None:
                "--checkpoint-every", "2", "--keep-checkpoints", "2")
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step_00000006",
                                                                      "step_00000007"]
-    state = torch.load(tmp_path / "ck" / "step_00000007" / "rank_0.pt", weights_only=True)
-    assert state["step"] == 7 and len(state["modules"]) == 1
+    marker = json.loads((tmp_path / "ck" / "step_00000007" / "COMPLETE").read_text())
+    assert marker["step"] == 7 and marker["optimizer"] == "sgd" and "0.weight" in marker["keys"]
 
 
 def test_warmup_then_cosine_learning_rate(tmp_path: Path) -> None:
@@ -110,8 +114,9 @@ def test_a_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path: Pa
     stopped = int(bad[0].split()[1])
     newest = sorted((tmp_path / "ck").iterdir())[-1]
     assert newest.name == f"step_{stopped - 1:08d}"
-    state = torch.load(newest / "rank_0.pt", weights_only=True)
-    assert all(torch.isfinite(t).all() for t in state["modules"][0].values())
+    dcp_to_torch_save(newest, tmp_path / "newest.pt")
+    state = torch.load(tmp_path / "newest.pt", weights_only=True)
+    assert all(torch.isfinite(t).all() for t in state["model"].values())
 
 
 def test_data_parallel_shards_a_real_dataset_like_one_process(tmp_path: Path) -> None:
