@@ -63,13 +63,13 @@ def _replace(staging: Path, out: Path) -> None:
     shutil.rmtree(retired, ignore_errors=True)
 
 
-_EMITTED = ("model", "stages", "weights")
+_EMITTED = ("model", "stages", "weights", "checkpoints", "metrics", "data")
 
 
 @contextlib.contextmanager
 def emitted_modules(directory: Path) -> Iterator[tuple[ModuleType, ModuleType]]:
-    """Import the emitted model.py and stages.py as train.py does, then forget them (and
-    weights.py, which train.py imports)."""
+    """Import the emitted model.py and stages.py as train.py does, then forget them (and the
+    other modules train.py imports)."""
     saved: dict[str, ModuleType] = {name: sys.modules.pop(name) for name in _EMITTED
                                     if name in sys.modules}
     sys.path.insert(0, str(directory))
