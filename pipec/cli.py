@@ -24,7 +24,7 @@ from pipec.hardware import DEFAULT, PRESETS
 from pipec.inspection import inspect_model, render_json, render_table
 from pipec.measured import MEASURE_CHOICES
 from pipec.normalize import NORM_CHOICES
-from pipec.planner import STRATEGIES, Plan
+from pipec.planner import RECOMPUTE, STRATEGIES, Plan
 from pipec.schedule import SCHEDULES
 from pipec.trace import FRONTENDS
 
@@ -100,6 +100,9 @@ def _add_compile(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument("--norm-groups", type=int, default=None,
                    help="GroupNorm groups (default: the largest divisor of the channels ≤ 32 "
                    "leaving each group at least 16 values)")
+    p.add_argument("--recompute", choices=RECOMPUTE, default="auto",
+                   help="activation recomputation per stage: auto (where a stage does not fit "
+                   "otherwise), none, or full (every stage that may)")
     p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd", help="(sgd)")
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="(fp32)")
     p.add_argument("--calibration", type=Path, default=None,
@@ -217,7 +220,8 @@ def _run_compile(args: argparse.Namespace) -> int:
         model=args.model, out=args.out, gpus=args.gpus, nodes=args.nodes,
         batch_size=args.batch_size, hardware=args.hardware, pp=args.pp,
         micro_batch=args.micro_batch, schedule=args.schedule, norm=args.norm,
-        norm_groups=args.norm_groups, optimizer=args.optimizer, precision=args.precision,
+        norm_groups=args.norm_groups, recompute=args.recompute, optimizer=args.optimizer,
+        precision=args.precision,
         calibration=args.calibration, measure=args.measure, strategy=args.strategy,
         virtual_stages=args.virtual_stages, margin=args.margin, frontend=args.frontend,
         onnx=args.onnx, force=args.force)

@@ -125,6 +125,9 @@ class NodeArrays:
     target_bytes: float  # one micro-batch's targets
     # Per node, the gradients of its parameters (part of static_bytes).
     gradient_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    # Per node, autograd's graph (part of activation_bytes): a recomputing stage still keeps
+    # it for every micro-batch in flight, only the saved tensors go.
+    graph_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
     @functools.cached_property
     def accumulating_working_bytes(self) -> np.ndarray:
@@ -152,8 +155,10 @@ def node_arrays(graph: CostGraph, device: Device, micro_batch: int, training: Tr
     bwd_flops = np.array([n.bwd_flops.at(micro_batch) for n in graph.nodes])
     out_bytes = np.array([n.output_bytes.at(micro_batch) * (n.bf16.output_ratio if bf16 else 1)
                           for n in graph.nodes])
-    saved_bytes = np.array([_saved_bytes(n, micro_batch, bf16) + n.autograd_nodes
-                            * device.graph_node_bytes for n in graph.nodes])
+    graph_bytes = np.array([n.autograd_nodes * device.graph_node_bytes for n in graph.nodes],
+                           dtype=float)
+    saved_bytes = np.array([_saved_bytes(n, micro_batch, bf16) for n in graph.nodes]) \
+        + graph_bytes
     param_bytes = np.array([n.param_bytes for n in graph.nodes], dtype=float)
     moved = out_bytes + param_bytes
     overhead = device.kernel_overhead_s
@@ -174,7 +179,7 @@ def node_arrays(graph: CostGraph, device: Device, micro_batch: int, training: Tr
     working[-1] = max(working[-1], _loss_working_bytes(graph, micro_batch, bf16, loss_saved))
     return NodeArrays(fwd, bwd, static, saved_bytes, boundary, held, working, loss_saved,
                       graph.loss.target_bytes.at(micro_batch),
-                      (param_bytes + shared) * GRADIENT_RATIO)
+                      (param_bytes + shared) * GRADIENT_RATIO, graph_bytes)
 
 
 def _loss_working_bytes(graph: CostGraph, micro_batch: int, bf16: bool,

@@ -36,6 +36,7 @@ class CompileOptions:
     schedule: str = "auto"
     norm: str = "auto"
     norm_groups: int | None = None
+    recompute: str = "auto"
     optimizer: str = "sgd"
     precision: str = "fp32"
     calibration: Path | None = None
@@ -143,7 +144,7 @@ def _request(options: CompileOptions) -> PlanRequest:
         training=Training(options.optimizer, options.precision),
         calibration=load_calibration(options.calibration) if options.calibration else None,
         strategy=options.strategy, virtual_stages=options.virtual_stages, margin=options.margin,
-        norm=options.norm)
+        norm=options.norm, recompute=options.recompute)
 
 
 def _devices(options: CompileOptions) -> tuple[Device, ...]:

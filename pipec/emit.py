@@ -139,6 +139,7 @@ def _stage_context(plan: Plan, norms: NormPlan, staged: Staged) -> dict[str, Any
         "forward": _indent(code.forward_source),
         "input_specs": _specs_literal(code.input_specs),
         "output_specs": _specs_literal(code.output_specs),
+        "recompute": stage.recompute,
     } for code, stage in zip(staged.stages, plan.stages, strict=True)]
     return {"stages": stages, "imports": staged.imports, "norm_rewrites": norms.rewrites,
             "tied": staged.tied, "group_norm": norms.grouped,

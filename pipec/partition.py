@@ -11,6 +11,13 @@ its ends cost it (``enter_bytes[s, j]``: receive buffers for its input at cut j;
 ``leave_bytes[s, i]``: buffers for the gradients of its output at cut i, outputs kept for their
 backward, the loss) and the largest working set among its nodes (``working_bytes``: the
 gradients alive while one node's backward runs).
+
+Activation recomputation (``recompute_s``): a stage may keep only its inputs for backward and
+run its forward again there. It then holds one micro-batch's activations (while it recomputes)
+instead of ``in_flight[s]`` of them, and its time grows by its forward. A stage recomputes when
+it must (it does not fit otherwise) or always (``always_recompute``), unless one of its nodes
+must not run twice (``unrecomputable``). Each stage's choice depends only on its own span, so
+the DP stays exact.
 """
 
 from __future__ import annotations
@@ -39,6 +46,15 @@ class Problem:
     # before them: then it holds min(gradients, one micro-batch's activations) less.
     gradient_bytes: np.ndarray = field(default_factory=lambda: np.zeros(1))
     before_gradients: tuple[bool, ...] = ()
+    # (num_stages, n + 1) prefix sums of what recomputing costs (each node's forward again);
+    # None: no stage recomputes.
+    recompute_s: np.ndarray | None = None
+    # Prefix counts of the nodes a recomputing stage must not hold (they would run twice).
+    unrecomputable: np.ndarray = field(default_factory=lambda: np.zeros(1))
+    always_recompute: bool = False  # recompute every stage that may, fitting or not
+    # Prefix sums of the part of activation_bytes that a recomputing stage still holds per
+    # micro-batch in flight (autograd's graph, on a CPU).
+    graph_bytes: np.ndarray = field(default_factory=lambda: np.zeros(1))
 
     @property
     def unmade_key(self) -> np.ndarray:
@@ -60,6 +76,7 @@ class Problem:
 class Partition:
     boundaries: tuple[int, ...]  # num_stages + 1 cuts, 0 first and n last
     bottleneck: float  # the slowest stage's time
+    recompute: tuple[bool, ...] = ()  # per stage: whether it recomputes its activations
 
 
 def make_problem(costs: np.ndarray, static: np.ndarray, activation: np.ndarray,
@@ -67,11 +84,13 @@ def make_problem(costs: np.ndarray, static: np.ndarray, activation: np.ndarray,
                  in_flight: tuple[int, ...], enter: np.ndarray | None = None,
                  leave: np.ndarray | None = None, working: np.ndarray | None = None,
                  gradients: np.ndarray | None = None,
-                 before_gradients: tuple[bool, ...] | None = None) -> Problem:
+                 before_gradients: tuple[bool, ...] | None = None,
+                 recompute: np.ndarray | None = None, unrecomputable: np.ndarray | None = None,
+                 always_recompute: bool = False, graph: np.ndarray | None = None) -> Problem:
     """Build a Problem from per-node arrays (length n) and per-cut arrays (length n + 1).
 
-    ``costs``, ``cut_s``, ``enter`` and ``leave`` are one row for all stages or one row per
-    stage; the memory terms default to zero.
+    ``costs``, ``cut_s``, ``enter``, ``leave`` and ``recompute`` (each node's cost of running
+    again) are one row for all stages or one row per stage; the memory terms default to zero.
     """
     def prefix(values: np.ndarray) -> np.ndarray:
         values = np.asarray(values, float)
@@ -86,7 +105,12 @@ def make_problem(costs: np.ndarray, static: np.ndarray, activation: np.ndarray,
                    np.asarray(legal, bool), capacity, in_flight, per_stage(enter),
                    per_stage(leave), np.zeros(n) if working is None else np.asarray(working, float),
                    prefix(np.zeros(n) if gradients is None or not len(gradients) else gradients),
-                   before_gradients or (False,) * stages)
+                   before_gradients or (False,) * stages,
+                   None if recompute is None else np.broadcast_to(prefix(recompute),
+                                                                  (stages, n + 1)),
+                   prefix(np.zeros(n) if unrecomputable is None else unrecomputable),
+                   always_recompute, prefix(np.zeros(n) if graph is None or not len(graph)
+                                            else graph))
 
 
 def stage_time(p: Problem, stage: int, start: int, end: int) -> float:
@@ -98,6 +122,30 @@ def stage_memory(p: Problem, stage: int, start: int, end: int) -> float:
     return float(p.static_bytes[end] - p.static_bytes[start] + p.in_flight[stage] * activations
                  - unmade_gradients(p, stage, start, end) + p.enter_bytes[stage, start]
                  + p.leave_bytes[stage, end] + p.working_bytes[start:end].max(initial=0.0))
+
+
+def recomputed_memory(p: Problem, stage: int, start: int, end: int) -> float:
+    """The stage's memory when it recomputes: one micro-batch's activations (those it makes
+    again in its backward) and the graph of the others in flight, no gradient left unmade."""
+    activations = p.activation_bytes[end] - p.activation_bytes[start]
+    graph = p.graph_bytes[end] - p.graph_bytes[start]
+    return float(p.static_bytes[end] - p.static_bytes[start] + activations
+                 + (p.in_flight[stage] - 1) * graph
+                 + p.enter_bytes[stage, start] + p.leave_bytes[stage, end]
+                 + p.working_bytes[start:end].max(initial=0.0))
+
+
+def stage_choice(p: Problem, stage: int, start: int, end: int) -> tuple[float, bool] | None:
+    """The stage's time and whether it recomputes, or None when it fits neither way."""
+    plain = stage_time(p, stage, start, end)
+    fits = stage_memory(p, stage, start, end) <= p.capacity[stage]
+    may = p.recompute_s is not None and p.unrecomputable[end] == p.unrecomputable[start]
+    if may and (p.always_recompute or not fits):
+        assert p.recompute_s is not None
+        slower = plain + float(p.recompute_s[stage, end] - p.recompute_s[stage, start])
+        return (slower, True) if recomputed_memory(p, stage, start, end) <= p.capacity[stage] \
+            else None
+    return (plain, False) if fits else None
 
 
 def unmade_gradients(p: Problem, stage: int, start: int, end: int) -> float:
@@ -137,8 +185,8 @@ def solve(p: Problem) -> Partition | None:
         ends = np.arange(s + 1, k - stages + s + 1)
         starts, valid = grid.starts(s, ends)
         previous = best[starts]
-        values = np.where(valid & grid.fits(s, ends, starts) & np.isfinite(previous),
-                          np.maximum(previous, grid.time(s, ends, starts)), np.inf)
+        values = np.where(valid & np.isfinite(previous),
+                          np.maximum(previous, grid.cost(s, ends, starts)), np.inf)
         local = np.argmin(values, axis=1)
         rows = np.arange(len(ends))
         best = np.full(k, np.inf)
@@ -148,7 +196,9 @@ def solve(p: Problem) -> Partition | None:
         choices.append(choice)
     if not np.isfinite(best[-1]):
         return None
-    return Partition(_backtrack(choices, cuts), float(best[-1]))
+    bounds = _backtrack(choices, cuts)
+    chosen = [stage_choice(p, s, a, b) for s, (a, b) in enumerate(itertools.pairwise(bounds))]
+    return Partition(bounds, float(best[-1]), tuple(bool(c and c[1]) for c in chosen))
 
 
 def _upper_bound(p: Problem, cuts: np.ndarray) -> float:
@@ -163,9 +213,8 @@ def _upper_bound(p: Problem, cuts: np.ndarray) -> float:
         bounds.append(low + int(np.argmin(np.abs(shares[low:high + 1] - s))))
     bounds.append(len(cuts) - 1)
     spans = [(int(cuts[a]), int(cuts[b])) for a, b in itertools.pairwise(bounds)]
-    if any(stage_memory(p, s, a, b) > p.capacity[s] for s, (a, b) in enumerate(spans)):
-        return np.inf
-    return max(stage_time(p, s, a, b) for s, (a, b) in enumerate(spans))
+    chosen = [stage_choice(p, s, a, b) for s, (a, b) in enumerate(spans)]
+    return max(c[0] if c else np.inf for c in chosen)
 
 
 class _Grid:
@@ -174,7 +223,7 @@ class _Grid:
     def __init__(self, p: Problem, cuts: np.ndarray, upper: float) -> None:
         self.p, self.cuts, self.upper = p, cuts, upper
         self.static, self.activation = p.static_bytes[cuts], p.activation_bytes[cuts]
-        self.gradient = p.gradient_bytes[cuts]
+        self.gradient, self.graph = p.gradient_bytes[cuts], p.graph_bytes[cuts]
         key = p.unmade_key
         self.lowest_key = _RangeMax([-key[a:b].min() for a, b in itertools.pairwise(cuts)])
         self.working = _RangeMax([p.working_bytes[a:b].max(initial=0.0)
@@ -195,20 +244,46 @@ class _Grid:
         valid = (starts >= first[:, None]) & (starts < ends[:, None])
         return np.maximum(starts, 0), valid
 
+    def cost(self, stage: int, ends: np.ndarray, starts: np.ndarray) -> np.ndarray:
+        """Each span's time as ``stage_choice`` gives it: plain where it fits (and need not
+        recompute), recomputing where it must or always does and then fits, else infinite."""
+        p = self.p
+        plain, fits = self.time(stage, ends, starts), self.fits(stage, ends, starts, False)
+        if p.recompute_s is None:
+            return np.where(fits, plain, np.inf)
+        extra = p.recompute_s[stage, self.cuts]
+        slower = plain + extra[ends][:, None] - extra[starts]
+        unrecomputable = p.unrecomputable[self.cuts]
+        may = unrecomputable[ends][:, None] == unrecomputable[starts]
+        recomputes = may & (p.always_recompute | ~fits)
+        fits_recomputed = self.fits(stage, ends, starts, True)
+        cost: np.ndarray = np.where(recomputes, np.where(fits_recomputed, slower, np.inf),
+                                    np.where(fits, plain, np.inf))
+        return cost
+
     def time(self, stage: int, ends: np.ndarray, starts: np.ndarray) -> np.ndarray:
         t = self.p.time[stage, self.cuts]
         span: np.ndarray = (t[ends][:, None] - t[starts]
                             + self.p.cut_s[stage, self.cuts[ends]][:, None])
         return span
 
-    def fits(self, stage: int, ends: np.ndarray, starts: np.ndarray) -> np.ndarray | bool:
-        capacity = self.p.capacity[stage]
+    def fits(self, stage: int, ends: np.ndarray, starts: np.ndarray, recomputed: bool
+             ) -> np.ndarray:
+        """Whether each span fits, holding ``in_flight`` micro-batches' activations, or, when
+        ``recomputed``, one and the graph of the others."""
+        capacity, flights = self.p.capacity[stage], self.p.in_flight[stage]
         if capacity == np.inf:
-            return True
+            return np.ones(starts.shape, dtype=bool)
         activations = self.activation[ends][:, None] - self.activation[starts]
-        unmade = self._unmade_gradients(stage, ends, starts)
+        held: np.ndarray = flights * activations
+        unmade: np.ndarray | float = 0.0
+        if recomputed:
+            graph = self.graph[ends][:, None] - self.graph[starts]
+            held = activations + (flights - 1) * graph
+        else:
+            unmade = self._unmade_gradients(stage, ends, starts)
         memory = (self.static[ends][:, None] - self.static[starts]
-                  + self.p.in_flight[stage] * activations - unmade
+                  + held - unmade
                   + self.p.enter_bytes[stage, self.cuts[starts]]
                   + self.p.leave_bytes[stage, self.cuts[ends]][:, None]
                   + self.working.over(starts, np.broadcast_to(ends[:, None], starts.shape)))
@@ -267,10 +342,10 @@ def brute_force(p: Problem) -> Partition | None:
     best: Partition | None = None
     for cuts in itertools.combinations(inner, stages - 1):
         bounds = (0, *cuts, n)
-        spans = list(itertools.pairwise(bounds))
-        if any(stage_memory(p, s, a, b) > p.capacity[s] for s, (a, b) in enumerate(spans)):
+        chosen = [stage_choice(p, s, a, b) for s, (a, b) in enumerate(itertools.pairwise(bounds))]
+        if any(c is None for c in chosen):
             continue
-        bottleneck = max(stage_time(p, s, a, b) for s, (a, b) in enumerate(spans))
+        bottleneck = max(c[0] for c in chosen if c)
         if best is None or bottleneck < best.bottleneck:
-            best = Partition(bounds, bottleneck)
+            best = Partition(bounds, bottleneck, tuple(bool(c and c[1]) for c in chosen))
     return best

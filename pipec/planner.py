@@ -36,8 +36,12 @@ from pipec.planning.values import Baseline, Candidate, MaxBatch, Plan, PlanReque
 from pipec.schedule import SCHEDULES
 from pipec.units import gib
 
+# --recompute: where a stage must to fit (auto), never, or every stage that may (full).
+RECOMPUTE = ("auto", "none", "full")
+
 __all__ = [
     "MAX_BATCH_FACTOR",
+    "RECOMPUTE",
     "STRATEGIES",
     "VIRTUAL_STAGES",
     "Baseline",
@@ -99,6 +103,9 @@ def _check(request: PlanRequest) -> None:
             request.virtual_stages < 2 or request.schedule not in ("auto", "interleaved")):
         raise ConfigError(f"--virtual-stages {request.virtual_stages}: it sets the stages per "
                           "device of --schedule interleaved and must be 2 or more")
+    if request.recompute not in RECOMPUTE:
+        raise ConfigError(f"--recompute {request.recompute!r}: use one of {', '.join(RECOMPUTE)}"
+                          " (selective recomputation is not supported yet)")
     if len(request.devices) != request.gpus:
         raise ConfigError(f"--hardware lists {len(request.devices)} devices but --gpus is "
                           f"{request.gpus}; list one device per GPU")
@@ -129,7 +136,7 @@ def _stage_plans(costs: Costs, e: Evaluated) -> tuple[StagePlan, ...]:
 def _stage_plan(costs: Costs, e: Evaluated, k: int, a: int, b: int) -> StagePlan:
     nodes = costs.graph.nodes[a:b]
     m, sc = e.micro_batch, e.stage_costs
-    fwd, bwd = stage_fwd_s(sc, k, a, b), stage_bwd_s(sc, k, a, b)
+    fwd, bwd = stage_fwd_s(sc, k, a, b), stage_bwd_s(sc, k, a, b, e.recompute[k])
     compute = fwd + bwd
     return StagePlan(
         index=k, start=a, end=b, modules=_module_names([n.module for n in nodes]),
@@ -146,6 +153,7 @@ def _stage_plan(costs: Costs, e: Evaluated, k: int, a: int, b: int) -> StagePlan
         fwd_s=fwd,
         bwd_s=bwd,
         memory=e.stage_memory[k],
+        recompute=e.recompute[k],
     )
 
 

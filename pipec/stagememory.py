@@ -67,25 +67,40 @@ class StageRole:
         return self.index == self.num_stages - 1
 
 
-def stage_memory(arrays: NodeArrays, start: int, end: int, role: StageRole) -> StageMemory:
+def stage_memory(arrays: NodeArrays, start: int, end: int, role: StageRole,
+                 recompute: bool = False) -> StageMemory:
     """The peak of the stage over nodes [start, end) under torch.distributed.pipelining:
     ``PipelineStage`` allocates a receive buffer per micro-batch for its input and for its
     output's gradient and keeps them across steps, caches each micro-batch's outputs until its
-    backward, and the schedule splits the step's whole batch into micro-batches up front."""
+    backward, and the schedule splits the step's whole batch into micro-batches up front. A
+    stage that ``recompute``s (torch.utils.checkpoint over its forward) keeps only its inputs,
+    which are its receive buffers, and holds one micro-batch's activations while its backward
+    makes them again."""
     m, f = role.micro_batches, role.in_flight
     received = 0.0 if role.first else m * arrays.boundary_bytes[start]
     gradients = 0.0 if role.last else m * arrays.boundary_bytes[end]
     return StageMemory(
         static=float(arrays.static_bytes[start:end].sum()),
-        activations=f * float(arrays.activation_bytes[start:end].sum()),
+        activations=_activations(arrays, start, end, f, recompute),
         held_outputs=f * float(arrays.held_bytes[end]),
         receive_buffers=float(received + gradients),
         data=sum(_data_bytes(arrays, role)),
         loss=f * arrays.loss_bytes if role.last else 0.0,
         working=float(working_bytes(arrays, role)[start:end].max(initial=0.0)),
         sent=_sent_bytes(arrays, start, end, role),
-        unmade_gradients=-unmade_gradients(arrays, start, end) if role.peaks_before_gradients
-        else 0.0)
+        unmade_gradients=-unmade_gradients(arrays, start, end)
+        if role.peaks_before_gradients and not recompute else 0.0)
+
+
+def _activations(arrays: NodeArrays, start: int, end: int, in_flight: int,
+                 recompute: bool) -> float:
+    """What the stage saves for backward: every micro-batch in flight's activations, or, when
+    it recomputes, one micro-batch's and the autograd graph of the others (on a CPU)."""
+    activations = float(arrays.activation_bytes[start:end].sum())
+    if not recompute:
+        return in_flight * activations
+    graph = float(arrays.graph_bytes[start:end].sum()) if arrays.graph_bytes.size else 0.0
+    return activations + (in_flight - 1) * graph
 
 
 def unmade_gradients(arrays: NodeArrays, start: int, end: int) -> float:

@@ -8,7 +8,15 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipec.partition import brute_force, make_problem, solve, stage_memory, stage_time
+from pipec.partition import (
+    brute_force,
+    make_problem,
+    recomputed_memory,
+    solve,
+    stage_choice,
+    stage_memory,
+    stage_time,
+)
 
 
 @st.composite
@@ -36,8 +44,16 @@ def problems(draw: st.DrawFn) -> tuple:
     # Gradients (a part of static) that a stage peaking before them does not hold.
     gradients = static * np.array(draw(st.lists(st.floats(0.0, 1.0), min_size=n, max_size=n)))
     before = tuple(draw(st.booleans()) for _ in range(stages))
+    # Recomputation: not allowed, where the stage must, or always; some nodes may not run twice.
+    mode = draw(st.sampled_from(("none", "auto", "full")))
+    recompute = None if mode == "none" else np.array(
+        draw(st.lists(floats, min_size=n, max_size=n)))
+    unrecomputable = np.array(draw(st.lists(st.booleans(), min_size=n, max_size=n)), float)
+    # The part of the activations (autograd's graph) that a recomputing stage keeps.
+    graph = activation * np.array(draw(st.lists(st.floats(0.0, 1.0), min_size=n, max_size=n)))
     return make_problem(costs, static, activation, cut_s, legal, capacity, in_flight,
-                        enter, leave, working, gradients, before)
+                        enter, leave, working, gradients, before, recompute, unrecomputable,
+                        mode == "full", graph)
 
 
 @settings(max_examples=300, deadline=None)
@@ -61,10 +77,17 @@ def test_dp_partition_is_valid_and_achieves_its_bottleneck(problem: object) -> N
     assert all(a < b for a, b in itertools.pairwise(bounds))
     assert all(p.legal[b] for b in bounds)  # type: ignore[attr-defined]
     spans = list(itertools.pairwise(bounds))
+    chosen = [stage_choice(p, s, a, b) for s, (a, b) in enumerate(spans)]  # type: ignore[arg-type]
+    assert all(c is not None for c in chosen)
+    assert tuple(c[1] for c in chosen if c) == result.recompute
     for s, (a, b) in enumerate(spans):
-        assert stage_memory(p, s, a, b) <= p.capacity[s]  # type: ignore[arg-type, attr-defined]
-    assert max(stage_time(p, s, a, b)  # type: ignore[arg-type]
-               for s, (a, b) in enumerate(spans)) == result.bottleneck
+        held = (recomputed_memory if result.recompute[s] else stage_memory)(
+            p, s, a, b)  # type: ignore[arg-type]
+        assert held <= p.capacity[s]  # type: ignore[attr-defined]
+        slower = result.recompute[s] and p.recompute_s is not None  # type: ignore[attr-defined]
+        assert (chosen[s][0] >= stage_time(p, s, a, b)) if slower else (  # type: ignore[index, arg-type]
+            chosen[s][0] == stage_time(p, s, a, b))  # type: ignore[index, arg-type]
+    assert max(c[0] for c in chosen if c) == result.bottleneck
 
 
 def test_balanced_chain_is_split_evenly() -> None:
@@ -99,3 +122,19 @@ def test_no_partition_fits() -> None:
     problem = make_problem(np.ones(3), np.full(3, 2.0), np.zeros(3), np.zeros(4),
                            np.ones(4, bool), (1.0, 1.0), (1, 1))
     assert solve(problem) is None and brute_force(problem) is None
+
+
+def test_a_stage_recomputes_only_where_it_must() -> None:
+    """Two stages, each one node's activations too large to keep twice: the second recomputes
+    (its forward again: +0.5), the first, which fits, does not; a node that must not run twice
+    keeps its stage from recomputing."""
+    problem = make_problem(np.ones(4), np.zeros(4), np.array([1.0, 1.0, 4.0, 1.0]),
+                           np.zeros(5), np.array([True, False, True, False, True]),
+                           (4.0, 5.0), (2, 2), recompute=np.full(4, 0.5))
+    result = solve(problem)
+    assert result is not None and result.recompute == (False, True)
+    assert result.bottleneck == 3.0
+    stuck = make_problem(np.ones(4), np.zeros(4), np.array([1.0, 1.0, 4.0, 1.0]), np.zeros(5),
+                         np.array([True, False, True, False, True]), (4.0, 5.0), (2, 2),
+                         recompute=np.full(4, 0.5), unrecomputable=np.array([0, 0, 0, 1.0]))
+    assert solve(stuck) is None

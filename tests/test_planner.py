@@ -142,11 +142,11 @@ def test_crosses_nodes() -> None:
 
 
 def test_candidates_that_do_not_fit_are_reported_not_chosen(tmp_path: Path) -> None:
-    # 32 MiB (28.8 usable): GPipe, with the whole batch in flight, needs about 47 MiB on its
-    # fuller stage and does not fit; 1F1B with micro-batches up to 16 does.
+    # 32 MiB: GPipe, with the whole batch in flight, needs about 47 MiB on its fuller stage
+    # and does not fit without recomputation; 1F1B with micro-batches up to 16 does.
     small = _small_device(tmp_path, 32)
     plan = compile_to(SAMPLES / "resnet.py", tmp_path / "o", gpus=2, batch_size=64,
-                      hardware=small)
+                      hardware=small, recompute="none")
     too_big = [c for c in plan.candidates if not c.feasible]
     assert too_big and all(c.peak_memory_bytes > 32 * 2**20 * 0.9 for c in too_big)
     assert {c.schedule for c in too_big} >= {"gpipe"}
@@ -233,18 +233,16 @@ def test_fixed_choices_are_kept_even_when_a_baseline_is_faster(tmp_path: Path) -
 
 
 def test_max_batch_is_exact_at_its_boundary(tmp_path: Path) -> None:
-    """Under GPipe memory grows with the batch: the reported maximum compiles, one more
-    step of the search does not."""
+    """Under GPipe (without recomputation) memory grows with the batch: the reported maximum
+    compiles, one more step of the search does not."""
     device = _small_device(tmp_path, 24)
-    plan = compile_to(SAMPLES / "resnet.py", tmp_path / "a", gpus=2, batch_size=16,
-                      schedule="gpipe", hardware=device)
+    options = {"gpus": 2, "schedule": "gpipe", "hardware": device, "recompute": "none"}
+    plan = compile_to(SAMPLES / "resnet.py", tmp_path / "a", batch_size=16, **options)
     best = plan.max_batch[0]
     assert best.strategy == "pipec" and not best.capped and best.batch >= 16
-    compile_to(SAMPLES / "resnet.py", tmp_path / "b", gpus=2, batch_size=best.batch,
-               schedule="gpipe", hardware=device)
+    compile_to(SAMPLES / "resnet.py", tmp_path / "b", batch_size=best.batch, **options)
     with pytest.raises(InfeasibleError):
-        compile_to(SAMPLES / "resnet.py", tmp_path / "c", gpus=2, batch_size=best.batch + 2,
-                   schedule="gpipe", hardware=device)
+        compile_to(SAMPLES / "resnet.py", tmp_path / "c", batch_size=best.batch + 2, **options)
 
 
 def test_pipec_trains_at_least_the_batch_of_every_baseline(tmp_path: Path) -> None:
@@ -329,13 +327,15 @@ def test_a_slower_device_gets_less_work(tmp_path: Path) -> None:
 
 def test_a_smaller_device_gets_a_stage_that_fits(tmp_path: Path) -> None:
     # On two 64 MiB devices the time-balanced split puts more than 0.9 MiB on device 0; next to
-    # a 1 MiB device (0.9 usable) the split moves so that device 0's stage fits.
+    # a 1 MiB device the split moves so that device 0's stage fits (without recomputation,
+    # which would keep more nodes there).
     small, large = _small_device(tmp_path, 1), _small_device(tmp_path, 64)
     usable = 2**20 * 0.9
     even = compile_to(SAMPLES / "gpt.py", tmp_path / "even", gpus=2, batch_size=16,
-                      hardware=f"{large}:2", micro_batch=4, schedule="1f1b")
+                      hardware=f"{large}:2", micro_batch=4, schedule="1f1b", recompute="none")
     mixed = compile_to(SAMPLES / "gpt.py", tmp_path / "mixed", gpus=2, batch_size=16,
-                       hardware=f"{small}:1,{large}:1", micro_batch=4, schedule="1f1b")
+                       hardware=f"{small}:1,{large}:1", micro_batch=4, schedule="1f1b",
+                       recompute="none")
     assert even.device_memory_bytes[0] > usable >= mixed.device_memory_bytes[0]
     assert mixed.stages[0].end < even.stages[0].end
 

@@ -62,11 +62,12 @@ def _chain(flops: Sequence[float], param_bytes: Sequence[int] | None = None,
 
 def _request(devices: Sequence[Device], global_batch: int = 16, pp: int | None = None,
              micro_batch: int | None = None, schedule: str = "auto",
-             strategy: str = "pipec") -> PlanRequest:
+             strategy: str = "pipec", recompute: str = "none") -> PlanRequest:
+    """Without recomputation unless asked: most tests here check the memory terms by hand."""
     return PlanRequest(gpus=len(devices), nodes=1, global_batch=global_batch, pp=pp,
                        micro_batch=micro_batch, schedule=schedule, hardware="test",
                        devices=tuple(devices), training=Training("sgd", "fp32"),
-                       strategy=strategy)
+                       strategy=strategy, recompute=recompute)
 
 
 def _boundaries(chosen: Plan) -> tuple[int, ...]:
@@ -204,6 +205,26 @@ def test_max_batch_equals_the_memory_terms_by_hand(schedule: str, expected: int)
     chosen = plan(_two_stages(), _request([_device(16 * MIB)] * 2, pp=2, schedule=schedule))
     assert chosen.max_batch_limit == 64 * 16
     assert chosen.max_batch[0] == MaxBatch("pipec", expected, False)
+
+
+def test_recomputation_raises_the_max_batch_by_the_terms_by_hand() -> None:
+    """As above under GPipe, with the stages recomputing: each holds one micro-batch's
+    activations (40 KiB) instead of B, and no gradient is left unmade; the rest stays per
+    micro-batch. Stage 0: 4 MiB + 40 KiB + B · (held 2 + gradient buffers 8 + inputs 8) KiB:
+    B ≤ 680; stage 1: 8 MiB + 40 KiB + B · (loss 4 + receive buffers 8 + targets 1) KiB:
+    B ≤ 627. The search tries multiples of the 2 devices: 626 (154 without)."""
+    for mode in ("auto", "full"):
+        chosen = plan(_two_stages(), _request([_device(16 * MIB)] * 2, pp=2, schedule="gpipe",
+                                              recompute=mode))
+        assert chosen.max_batch[0] == MaxBatch("pipec", 626, False), mode
+    quick = plan(_two_stages(), _request([_device(16 * MIB)] * 2, pp=2, schedule="gpipe",
+                                         recompute="auto"))
+    assert [s.recompute for s in quick.stages] == [False, False]  # batch 16 fits as it is
+    full = plan(_two_stages(), _request([_device(16 * MIB)] * 2, pp=2, schedule="gpipe",
+                                        recompute="full"))
+    assert [s.recompute for s in full.stages] == [True, True]
+    assert [s.bwd_s for s in full.stages] == pytest.approx(
+        [q.bwd_s + q.fwd_s for q in quick.stages])
 
 
 @pytest.mark.parametrize(("device_mib", "expected", "capped"), [(24, 1274, False),

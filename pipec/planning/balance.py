@@ -12,7 +12,7 @@ from typing import Literal
 import numpy as np
 
 from pipec.partition import Problem, make_problem, solve
-from pipec.planning.costs import BoundaryKey, Costs, Point
+from pipec.planning.costs import BoundaryKey, Costs, Placement, Point
 from pipec.stagememory import StageRole, ends_bytes, stage_memory, working_bytes
 
 Balance = Literal["time_within_memory", "time", "parameters", "uniform"]
@@ -30,9 +30,10 @@ BASELINES = STRATEGIES[1:]
 
 
 def boundaries(costs: Costs, point: Point, roles: tuple[StageRole, ...], balance: Balance
-               ) -> tuple[int, ...] | None:
-    """The stage boundaries ``balance`` gives at ``point`` (None: nothing fits the memory).
-    Cached in ``costs``: a rule without memory limits depends on fewer things than the point."""
+               ) -> Placement | None:
+    """The stage boundaries ``balance`` gives at ``point`` and which stages recompute (only
+    pipec's own balance recomputes; None: nothing fits the memory). Cached in ``costs``: a rule
+    without memory limits depends on fewer things than the point."""
     key = _cache_key(point, roles, balance)
     if key not in costs.boundary_cache:
         costs.boundary_cache[key] = _place(costs, point, roles, balance)
@@ -49,23 +50,27 @@ def _cache_key(point: Point, roles: tuple[StageRole, ...], balance: Balance) -> 
 
 
 def _place(costs: Costs, point: Point, roles: tuple[StageRole, ...], balance: Balance
-           ) -> tuple[int, ...] | None:
+           ) -> Placement | None:
+    plain = (False,) * point.layout.stages
     if balance == "uniform":
-        return uniform_boundaries(costs.legal, point.layout.stages)
-    if balance == "time_within_memory":
+        return uniform_boundaries(costs.legal, point.layout.stages), plain
+    if balance == "time_within_memory" and costs.request.recompute != "full":
         fitting = _time_balance_if_it_fits(costs, point, roles)
         if fitting is not None:
-            return fitting
+            return fitting, plain
     partition = solve(_problem(costs, point, roles, balance))
-    return None if partition is None else partition.boundaries
+    if partition is None:
+        return None
+    return partition.boundaries, partition.recompute or plain
 
 
 def _time_balance_if_it_fits(costs: Costs, point: Point, roles: tuple[StageRole, ...]
                              ) -> tuple[int, ...] | None:
     """The unconstrained optimum, when it fits the memory: then it is also the constrained
     optimum, and one DP serves every schedule of the point."""
-    bounds = boundaries(costs, point, roles, "time")
-    assert bounds is not None
+    placed = boundaries(costs, point, roles, "time")
+    assert placed is not None
+    bounds = placed[0]
     sc = costs.stages(point.layout, point.micro_batch)
     capacity = sc.stage_capacity(point.layout)
     for (a, b), role in zip(itertools.pairwise(bounds), roles, strict=True):
@@ -90,10 +95,13 @@ def _problem(costs: Costs, point: Point, roles: tuple[StageRole, ...], balance: 
         return make_problem(sc.time_s, arrays.static_bytes, arrays.activation_bytes, sc.cut_s,
                             costs.legal, unlimited, flights)
     enter, leave = zip(*(ends_bytes(arrays, role) for role in roles), strict=True)
+    mode = costs.request.recompute
     return make_problem(sc.time_s, arrays.static_bytes, arrays.activation_bytes, sc.cut_s,
                         costs.legal, sc.stage_capacity(layout), flights, np.stack(enter),
                         np.stack(leave), working_bytes(arrays, roles[0]), arrays.gradient_bytes,
-                        tuple(role.peaks_before_gradients for role in roles))
+                        tuple(role.peaks_before_gradients for role in roles),
+                        None if mode == "none" else sc.fwd_s, costs.unrecomputable(layout),
+                        mode == "full", arrays.graph_bytes)
 
 
 def uniform_boundaries(legal: np.ndarray, stages: int) -> tuple[int, ...]:

@@ -80,6 +80,6 @@ def adopt(costs: Costs, near: tuple[Evaluated, ...], plans: tuple[BaselinePlan, 
 
 
 def _allowed(e: Evaluated, request: PlanRequest) -> bool:
-    """Whether ``e`` keeps what the user fixed."""
+    """Whether ``e`` keeps what the user fixed (a baseline never recomputes)."""
     return (request.micro_batch in (None, e.micro_batch) and request.pp in (None, e.layout.pp)
-            and request.schedule in ("auto", e.schedule))
+            and request.schedule in ("auto", e.schedule) and request.recompute != "full")

@@ -69,6 +69,8 @@ class StageCosts:
 # What a boundary rule's answer depends on (balance.py builds it): the layout, the balance,
 # and for some rules the micro-batch size and the stages' roles.
 BoundaryKey = tuple[object, ...]
+# A boundary rule's answer: the stage boundaries, and per stage whether it recomputes.
+Placement = tuple[tuple[int, ...], tuple[bool, ...]]
 
 
 class Costs:
@@ -84,7 +86,7 @@ class Costs:
         self._stages: dict[tuple[Layout, int], StageCosts] = {}
         # Filled and read by balance.boundaries only: points that differ in what a boundary
         # rule ignores share one partition.
-        self.boundary_cache: dict[BoundaryKey, tuple[int, ...] | None] = {}
+        self.boundary_cache: dict[BoundaryKey, Placement | None] = {}
 
     def nodes(self, device: Device, micro_batch: int) -> NodeArrays:
         key = (device, micro_batch)
@@ -148,6 +150,12 @@ class Costs:
         per_node = self.request.gpus // self.request.nodes
         return boundary_s(arrays.cut_bytes, link,
                           crosses_nodes(source, target, layout.pp, layout.dp, per_node))
+
+    def unrecomputable(self, layout: Layout) -> np.ndarray:
+        """Per node, 1 where a stage must not recompute it: a BatchNorm that the layout keeps
+        (or makes synchronized) would update its running statistics twice."""
+        kept = resolve_norm(self.request.norm, layout.pp, layout.dp) != "group"
+        return np.array([float(kept and n.batch_norm_channels > 0) for n in self.graph.nodes])
 
     def fastest_work_s(self, micro_batch: int) -> float:
         """One micro-batch's forward + backward, every node on the fastest device for it."""

@@ -35,6 +35,7 @@ class Evaluated:
     num_micro_batches: int  # per replica and step
     memory: tuple[float, ...]  # per position, the runtime's own bytes included
     stage_memory: tuple[StageMemory, ...]  # per stage
+    recompute: tuple[bool, ...]  # per stage: whether it recomputes its activations
     iteration_s: float = float("nan")  # nan until ``timed``: only the memory was needed
 
     @property
@@ -66,15 +67,17 @@ def partition(costs: Costs, point: Point, balance: Balance,
     holds_sends = point.schedule in HOLDS_SENDS
     roles = tuple(StageRole(k, layout.stages, micro_batches, f, layout.dp, whole_batch,
                             holds_sends) for k, f in enumerate(flights))
-    bounds = boundaries(costs, point, roles, balance)
-    if bounds is None:
+    placed = boundaries(costs, point, roles, balance)
+    if placed is None:
         return None
+    bounds, recompute = placed
     sc = costs.stages(layout, point.micro_batch)
-    stages = tuple(stage_memory(sc.arrays, a, b, role)
-                   for (a, b), role in zip(itertools.pairwise(bounds), roles, strict=True))
+    stages = tuple(stage_memory(sc.arrays, a, b, role, again)
+                   for (a, b), role, again in zip(itertools.pairwise(bounds), roles, recompute,
+                                                  strict=True))
     memory = tuple(sum(m.total for m in stages[p::layout.pp]) + sc.runtime[p]
                    for p in range(layout.pp))
-    return Evaluated(point, bounds, sc, micro_batches, memory, stages)
+    return Evaluated(point, bounds, sc, micro_batches, memory, stages, recompute)
 
 
 def timed(costs: Costs, e: Evaluated) -> Evaluated:
@@ -148,12 +151,13 @@ def stage_bound_s(costs: Costs, e: Evaluated) -> float:
 
 
 def stage_times(e: Evaluated) -> tuple[list[float], list[float]]:
-    """Per stage, one micro-batch's forward and backward, each with half the boundary."""
+    """Per stage, one micro-batch's forward and backward (a recomputing stage's backward runs
+    its forward again), each with half the boundary."""
     sc = e.stage_costs
     spans = list(itertools.pairwise(e.boundaries))
     fwd = [stage_fwd_s(sc, k, a, b) + float(sc.cut_s[k, b]) / 2
            for k, (a, b) in enumerate(spans)]
-    bwd = [stage_bwd_s(sc, k, a, b) + float(sc.cut_s[k, b]) / 2
+    bwd = [stage_bwd_s(sc, k, a, b, e.recompute[k]) + float(sc.cut_s[k, b]) / 2
            for k, (a, b) in enumerate(spans)]
     return fwd, bwd
 
@@ -163,9 +167,11 @@ def stage_fwd_s(sc: StageCosts, k: int, a: int, b: int) -> float:
     return float(sc.fwd_s[k, a:b].sum()) + sc.overhead_s[0]
 
 
-def stage_bwd_s(sc: StageCosts, k: int, a: int, b: int) -> float:
-    """Stage k's backward over nodes [a, b), one micro-batch, the stage's own overhead included."""
-    return float(sc.bwd_s[k, a:b].sum()) + sc.overhead_s[1]
+def stage_bwd_s(sc: StageCosts, k: int, a: int, b: int, recompute: bool = False) -> float:
+    """Stage k's backward over nodes [a, b), one micro-batch, the stage's own overhead included;
+    when it ``recompute``s, with its nodes' forward again."""
+    again = float(sc.fwd_s[k, a:b].sum()) if recompute else 0.0
+    return float(sc.bwd_s[k, a:b].sum()) + again + sc.overhead_s[1]
 
 
 def sync_s(costs: Costs, e: Evaluated) -> float:

@@ -32,6 +32,7 @@ class PlanRequest:
     # time model's measured error for its time source (pipec.planning.choice).
     margin: float | None = None
     norm: str = "auto"  # --norm: a synchronized BatchNorm costs an all-reduce per layer
+    recompute: str = "auto"  # --recompute: auto (where a stage must), none or full
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,6 +53,7 @@ class StagePlan:
     fwd_s: float = 0.0  # forward compute alone, one micro-batch
     bwd_s: float = 0.0  # backward compute alone, one micro-batch
     memory: StageMemory | None = None  # memory_bytes by term
+    recompute: bool = False  # keeps only its inputs; backward runs its forward again
 
 
 @dataclass(frozen=True)
