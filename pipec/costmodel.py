@@ -126,7 +126,8 @@ class NodeArrays:
     # Per node, the gradients of its parameters (part of static_bytes).
     gradient_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))
     # Per node, autograd's graph (part of activation_bytes): a recomputing stage still keeps
-    # it for every micro-batch in flight, only the saved tensors go.
+    # it for every micro-batch in flight, only the saved tensors go, and makes another for the
+    # micro-batch it recomputes.
     graph_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
     @functools.cached_property

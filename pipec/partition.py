@@ -126,11 +126,12 @@ def stage_memory(p: Problem, stage: int, start: int, end: int) -> float:
 
 def recomputed_memory(p: Problem, stage: int, start: int, end: int) -> float:
     """The stage's memory when it recomputes: one micro-batch's activations (those it makes
-    again in its backward) and the graph of the others in flight, no gradient left unmade."""
+    again in its backward, with their graph) and the graph of every micro-batch in flight, no
+    gradient left unmade."""
     activations = p.activation_bytes[end] - p.activation_bytes[start]
     graph = p.graph_bytes[end] - p.graph_bytes[start]
     return float(p.static_bytes[end] - p.static_bytes[start] + activations
-                 + (p.in_flight[stage] - 1) * graph
+                 + p.in_flight[stage] * graph
                  + p.enter_bytes[stage, start] + p.leave_bytes[stage, end]
                  + p.working_bytes[start:end].max(initial=0.0))
 
@@ -270,7 +271,7 @@ class _Grid:
     def fits(self, stage: int, ends: np.ndarray, starts: np.ndarray, recomputed: bool
              ) -> np.ndarray:
         """Whether each span fits, holding ``in_flight`` micro-batches' activations, or, when
-        ``recomputed``, one and the graph of the others."""
+        ``recomputed``, one and the graph of every one."""
         capacity, flights = self.p.capacity[stage], self.p.in_flight[stage]
         if capacity == np.inf:
             return np.ones(starts.shape, dtype=bool)
@@ -279,7 +280,7 @@ class _Grid:
         unmade: np.ndarray | float = 0.0
         if recomputed:
             graph = self.graph[ends][:, None] - self.graph[starts]
-            held = activations + (flights - 1) * graph
+            held = activations + flights * graph
         else:
             unmade = self._unmade_gradients(stage, ends, starts)
         memory = (self.static[ends][:, None] - self.static[starts]

@@ -95,12 +95,13 @@ def stage_memory(arrays: NodeArrays, start: int, end: int, role: StageRole,
 def _activations(arrays: NodeArrays, start: int, end: int, in_flight: int,
                  recompute: bool) -> float:
     """What the stage saves for backward: every micro-batch in flight's activations, or, when
-    it recomputes, one micro-batch's and the autograd graph of the others (on a CPU)."""
+    it recomputes, one micro-batch's (made again, with their own autograd graph) and the graph
+    of every micro-batch in flight, which stays (on a CPU)."""
     activations = float(arrays.activation_bytes[start:end].sum())
     if not recompute:
         return in_flight * activations
     graph = float(arrays.graph_bytes[start:end].sum()) if arrays.graph_bytes.size else 0.0
-    return activations + (in_flight - 1) * graph
+    return activations + in_flight * graph
 
 
 def unmade_gradients(arrays: NodeArrays, start: int, end: int) -> float:

@@ -217,7 +217,13 @@ def test_safetensors_written_in_parts_load_with_the_library(tmp_path: Path) -> N
     tensors = {"b": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3), "a": torch.tensor(3.5),
                "mask": torch.tensor([True, False, True]), "empty": torch.zeros(0, 4),
                "ids": torch.arange(5, dtype=torch.int64)[::2]}
-    weights.write_safetensors(tmp_path / "t.safetensors", tensors, {"format": "pt"})
+    real_pwrite = os.pwrite
+    # As Linux writes at most 2 GiB at a time: here at most 5 bytes, so every tensor takes
+    # several writes.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(weights.os, "pwrite",
+                      lambda fd, data, offset: real_pwrite(fd, data[:5], offset))
+        weights.write_safetensors(tmp_path / "t.safetensors", tensors, {"format": "pt"})
     loaded = safetensors.torch.load_file(tmp_path / "t.safetensors")
     assert loaded.keys() == tensors.keys()
     for key, value in tensors.items():
@@ -271,3 +277,26 @@ def test_a_buffer_made_from_a_parameter_is_a_clear_error(tmp_path: Path) -> None
     result = run_alone(tmp_path / "o", "--steps", "1", "--init-from",
                        str(tmp_path / "w.safetensors"))
     assert result.returncode == 1 and "weights: snapshot has no value" in result.stderr
+
+
+def test_a_parameter_registered_twice_stays_one_on_meta(tmp_path: Path) -> None:
+    compile_to(SAMPLES / "mlp.py", tmp_path / "o", gpus=1, batch_size=16)
+    weights = weights_module(tmp_path / "o")
+    with weights.parameters_on_meta():
+        shared = torch.nn.Parameter(torch.ones(3))
+        first, second = torch.nn.Module(), torch.nn.Module()
+        first.w, second.w = shared, shared
+    assert first.w.is_meta and first.w is second.w
+
+
+def test_resume_on_a_pipeline_restores_a_buffer_made_from_a_parameter(tmp_path: Path) -> None:
+    """Resumed, a pipeline's ranks build nothing: the buffer outside the state dict that
+    __init__ copied from a parameter comes from the checkpoint, as the weights do."""
+    (tmp_path / "derived.py").write_text(DERIVED)
+    compile_to(tmp_path / "derived.py", tmp_path / "o", gpus=2, batch_size=8)
+    whole = run_forked(tmp_path / "o", 2, "--steps", "3", logs=tmp_path / "whole")
+    checkpoint = ("--checkpoint-dir", str(tmp_path / "ck"))
+    run_forked(tmp_path / "o", 2, "--steps", "2", *checkpoint, logs=tmp_path / "first")
+    rest = run_forked_text(tmp_path / "o", 2, "--steps", "3", *checkpoint, "--resume",
+                           logs=tmp_path / "rest")
+    assert steps_of(rest) == {3: whole[2]}

@@ -21,8 +21,9 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, tokens, _ = x.shape
         q = self.q(x).view(batch, tokens, HEADS, self.head_dim).transpose(1, 2)
-        k, v = (t.view(batch, tokens, KV_HEADS, self.head_dim).transpose(1, 2)
-                for t in self.kv(x).chunk(2, dim=2))
+        k, v = self.kv(x).chunk(2, dim=2)  # unpacked: torch.fx traces it, a generator not
+        k = k.view(batch, tokens, KV_HEADS, self.head_dim).transpose(1, 2)
+        v = v.view(batch, tokens, KV_HEADS, self.head_dim).transpose(1, 2)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return self.o(y.transpose(1, 2).reshape(batch, tokens, WIDTH))
 
