@@ -305,9 +305,9 @@ def _fused_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                      attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
                      is_causal: bool = False, scale: float | None = None,
                      enable_gqa: bool = False) -> torch.Tensor:
-    """F.scaled_dot_product_attention's arguments, run by the fused (flash) CPU kernel."""
-    if enable_gqa:
-        raise NotImplementedError("grouped-query attention")
+    """F.scaled_dot_product_attention's arguments, run by the fused (flash) CPU kernel, which
+    takes fewer key and value heads than query heads as they are (grouped-query attention:
+    ``enable_gqa``), saving them unexpanded, as CUDA's flash kernel does."""
     output, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
     return output  # type: ignore[no-any-return]

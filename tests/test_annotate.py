@@ -76,7 +76,8 @@ def test_a_shared_module_may_be_cut_and_its_copy_is_counted() -> None:
 
 
 @pytest.mark.parametrize("path", [SAMPLES / "mlp.py", SAMPLES / "resnet.py", SAMPLES / "gpt.py",
-                                  MODELS / "skip_two_inputs.py", MODELS / "transposed.py"],
+                                  MODELS / "skip_two_inputs.py", MODELS / "transposed.py",
+                                  MODELS / "gqa_lm.py"],
                          ids=lambda p: p.stem)
 def test_per_node_totals_equal_the_whole_model(path: Path) -> None:
     """FLOPs forward and backward equal FlopCounterMode on the whole model (on meta, where
