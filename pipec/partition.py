@@ -226,8 +226,8 @@ class _Grid:
         self.static, self.activation = p.static_bytes[cuts], p.activation_bytes[cuts]
         self.gradient, self.graph = p.gradient_bytes[cuts], p.graph_bytes[cuts]
         key = p.unmade_key
-        self.lowest_key = _RangeMax([-key[a:b].min() for a, b in itertools.pairwise(cuts)])
-        self.working = _RangeMax([p.working_bytes[a:b].max(initial=0.0)
+        self.lowest_key = np.array([-key[a:b].min() for a, b in itertools.pairwise(cuts)])
+        self.working = np.array([p.working_bytes[a:b].max(initial=0.0)
                                   for a, b in itertools.pairwise(cuts)])
 
     def starts(self, stage: int, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -249,15 +249,37 @@ class _Grid:
         """Each span's time as ``stage_choice`` gives it: plain where it fits (and need not
         recompute), recomputing where it must or always does and then fits, else infinite."""
         p = self.p
-        plain, fits = self.time(stage, ends, starts), self.fits(stage, ends, starts, False)
+        plain = self.time(stage, ends, starts)
+        capacity = p.capacity[stage]
+        if capacity == np.inf:
+            fits = np.ones(starts.shape, dtype=bool)
+            return plain if p.recompute_s is None or not p.always_recompute \
+                else self._recomputed(stage, ends, starts, plain, fits, fits)
+        # What a span holds either way (weights, its ends, its largest working set), once.
+        base = (self.static[ends][:, None] - self.static[starts]
+                + p.enter_bytes[stage, self.cuts[starts]]
+                + p.leave_bytes[stage, self.cuts[ends]][:, None]
+                + _window_max(self.working, starts))
+        activations = self.activation[ends][:, None] - self.activation[starts]
+        flights = p.in_flight[stage]
+        fits = (base + flights * activations - self._unmade_gradients(stage, ends, starts)
+                <= capacity)
         if p.recompute_s is None:
             return np.where(fits, plain, np.inf)
+        graph = self.graph[ends][:, None] - self.graph[starts]
+        fits_recomputed = base + activations + flights * graph <= capacity
+        return self._recomputed(stage, ends, starts, plain, fits, fits_recomputed)
+
+    def _recomputed(self, stage: int, ends: np.ndarray, starts: np.ndarray, plain: np.ndarray,
+                    fits: np.ndarray, fits_recomputed: np.ndarray) -> np.ndarray:
+        """Spans that recompute (where they must, or always) take their forward again."""
+        p = self.p
+        assert p.recompute_s is not None
         extra = p.recompute_s[stage, self.cuts]
         slower = plain + extra[ends][:, None] - extra[starts]
         unrecomputable = p.unrecomputable[self.cuts]
         may = unrecomputable[ends][:, None] == unrecomputable[starts]
         recomputes = may & (p.always_recompute | ~fits)
-        fits_recomputed = self.fits(stage, ends, starts, True)
         cost: np.ndarray = np.where(recomputes, np.where(fits_recomputed, slower, np.inf),
                                     np.where(fits, plain, np.inf))
         return cost
@@ -268,63 +290,25 @@ class _Grid:
                             + self.p.cut_s[stage, self.cuts[ends]][:, None])
         return span
 
-    def fits(self, stage: int, ends: np.ndarray, starts: np.ndarray, recomputed: bool
-             ) -> np.ndarray:
-        """Whether each span fits, holding ``in_flight`` micro-batches' activations, or, when
-        ``recomputed``, one and the graph of every one."""
-        capacity, flights = self.p.capacity[stage], self.p.in_flight[stage]
-        if capacity == np.inf:
-            return np.ones(starts.shape, dtype=bool)
-        activations = self.activation[ends][:, None] - self.activation[starts]
-        held: np.ndarray = flights * activations
-        unmade: np.ndarray | float = 0.0
-        if recomputed:
-            graph = self.graph[ends][:, None] - self.graph[starts]
-            held = activations + flights * graph
-        else:
-            unmade = self._unmade_gradients(stage, ends, starts)
-        memory = (self.static[ends][:, None] - self.static[starts]
-                  + held - unmade
-                  + self.p.enter_bytes[stage, self.cuts[starts]]
-                  + self.p.leave_bytes[stage, self.cuts[ends]][:, None]
-                  + self.working.over(starts, np.broadcast_to(ends[:, None], starts.shape)))
-        fit: np.ndarray = memory <= capacity
-        return fit
-
     def _unmade_gradients(self, stage: int, ends: np.ndarray, starts: np.ndarray
                           ) -> np.ndarray | float:
         if not self.p.before_gradients[stage]:
             return 0.0
         wide_ends = np.broadcast_to(ends[:, None], starts.shape)
-        lowest = (-self.lowest_key.over(starts, wide_ends) - self.gradient[starts]
+        lowest = (-_window_max(self.lowest_key, starts) - self.gradient[starts]
                   + self.activation[wide_ends])
         unmade: np.ndarray = np.minimum(self.gradient[wide_ends] - self.gradient[starts],
                                         lowest)
         return unmade
 
 
-class _RangeMax:
-    """The largest of ``values[start:end]`` for arrays of (start, end), in O(1) each: a sparse
-    table of the maxima of every power-of-two run (Bender & Farach-Colton 2000)."""
-
-    def __init__(self, values: list[float]) -> None:
-        levels = [np.asarray(values, float)]
-        while 2 ** len(levels) <= len(values):
-            half = 2 ** (len(levels) - 1)
-            levels.append(np.maximum(levels[-1][:-half], levels[-1][half:]))
-        self.levels = levels
-
-    def over(self, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
-        length = np.maximum(ends - starts, 1)  # invalid (empty) pairs are masked by the caller
-        level = np.floor(np.log2(length)).astype(int)
-        result = np.zeros(starts.shape)
-        for k, row in enumerate(self.levels):
-            chosen = level == k
-            if chosen.any():
-                a, b = starts[chosen], ends[chosen] - 2 ** k
-                result[chosen] = np.maximum(row[np.clip(a, 0, len(row) - 1)],
-                                            row[np.clip(b, 0, len(row) - 1)])
-        return result
+def _window_max(values: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """The largest of ``values[start:end]`` for every (end, start) of ``_Grid.starts``: each
+    row's starts are consecutive and its last is end − 1, so a running maximum from the row's
+    end gives them all at once (columns before a row's first valid start are masked by the
+    caller)."""
+    running: np.ndarray = np.maximum.accumulate(values[starts][:, ::-1], axis=1)[:, ::-1]
+    return running
 
 
 def _backtrack(choices: list[np.ndarray], cuts: np.ndarray) -> tuple[int, ...]:
