@@ -119,11 +119,14 @@ def _infeasible(costs: Costs, layout: Layout) -> InfeasibleError:
     gpipe = (request.schedule == "gpipe"
              or request.global_batch // (layout.dp * micro_batch) < layout.pp)
     schedule = "gpipe" if gpipe else "1f1b"
-    e = unlimited(costs, Point(layout, micro_batch, schedule), "time")
+    recompute = request.recompute != "none"
+    e = unlimited(costs, Point(layout, micro_batch, schedule), "time", recompute)
     hint = ", --schedule 1f1b" if request.schedule == "gpipe" else ""
+    recomputing = " with every stage recomputing" if recompute else ""
     return InfeasibleError(
-        f"no split fits: even at micro-batch {micro_batch} under {schedule} the time-balanced "
-        f"split needs {gib(max(e.memory))} on its fullest device, have "
+        f"no split fits: even at micro-batch {micro_batch} under {schedule}{recomputing} the "
+        f"time-balanced split over {layout.pp} pipeline device(s) needs "
+        f"{gib(max(e.memory))} on its fullest device, have "
         f"{gib(min(e.stage_costs.capacity))} usable on {request.hardware}; try more --gpus, a "
         f"device with more memory (--hardware){hint} or --optimizer sgd")
 

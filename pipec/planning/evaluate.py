@@ -54,10 +54,11 @@ class Evaluated:
         return all(m <= c for m, c in zip(self.memory, self.stage_costs.capacity, strict=True))
 
 
-def partition(costs: Costs, point: Point, balance: Balance,
-              batch: int | None = None) -> Evaluated | None:
+def partition(costs: Costs, point: Point, balance: Balance, batch: int | None = None,
+              recompute_all: bool = False) -> Evaluated | None:
     """The boundaries and memory of one point at the global ``batch`` (default: the
-    request's), not yet simulated; None when ``balance`` finds nothing that fits."""
+    request's), not yet simulated, every stage that may recomputing if ``recompute_all``; None
+    when ``balance`` finds nothing that fits."""
     layout = point.layout
     micro_batches = (batch or costs.request.global_batch) // (layout.dp * point.micro_batch)
     flights = in_flight(point.schedule, layout.pp, micro_batches, layout.virtual)
@@ -71,6 +72,9 @@ def partition(costs: Costs, point: Point, balance: Balance,
     if placed is None:
         return None
     bounds, recompute = placed
+    if recompute_all:
+        unrecomputable = costs.unrecomputable(layout)
+        recompute = tuple(not unrecomputable[a:b].any() for a, b in itertools.pairwise(bounds))
     sc = costs.stages(layout, point.micro_batch)
     stages = tuple(stage_memory(sc.arrays, a, b, role, again)
                    for (a, b), role, again in zip(itertools.pairwise(bounds), roles, recompute,
@@ -130,9 +134,10 @@ def _simulate(e: Evaluated, timeline: bool) -> Simulation:
     return simulate(e.schedule, fwd, bwd, e.num_micro_batches, e.layout.pp, timeline)
 
 
-def unlimited(costs: Costs, point: Point, balance: Balance) -> Evaluated:
+def unlimited(costs: Costs, point: Point, balance: Balance,
+              recompute_all: bool = False) -> Evaluated:
     """A point partitioned by a balance without a memory limit, and timed: always exists."""
-    e = partition(costs, point, balance)
+    e = partition(costs, point, balance, recompute_all=recompute_all)
     assert e is not None  # without a memory limit every legal partition is allowed
     return timed(costs, e)
 
