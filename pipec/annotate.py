@@ -29,7 +29,7 @@ from pipec.costgraph import (
     NodeCost,
     ValueSpec,
 )
-from pipec.liveness import legal_cuts, lifetimes, live_sets, live_values
+from pipec.liveness import legal_cuts, lifetimes, live_sets, live_values, rederivable_sizes
 from pipec.loader import ModelSpec
 from pipec.measure import Measured, measure, nbytes, storage_id
 from pipec.tensors import flat_tensors
@@ -63,7 +63,9 @@ def annotate(traced: Traced, spec: ModelSpec, autocast_device: str = "cuda",
     nodes = tuple(replace(c, working_bytes=_sum_linear(
         [c.output_bytes, *(sizes[a.name] for a in n.all_input_nodes if a.name in sizes)]))
         for n, c in zip(compute, nodes, strict=True))
-    live = live_sets(made_and_used, len(compute))
+    # Sizes each stage reads again (export's dynamic batch) are never sent.
+    reread = rederivable_sizes(compute)
+    live = live_sets({k: v for k, v in made_and_used.items() if k not in reread}, len(compute))
     held = [v for v in sizes if not one[v].saved_output]
     legal = legal_cuts(compute, made_and_used, nodes)
     autocast = (run_under_autocast(gm, batches, autocast_device, _loss_fn(spec)) if bf16_memory

@@ -26,6 +26,7 @@ from torch.fx.graph import PythonCode
 from pipec.annotate import COMPUTE_OPS, CostGraph
 from pipec.errors import TraceError
 from pipec.inplace import overwritten_inputs, storage_roots, written
+from pipec.liveness import rederivable_sizes, shape_symbols
 from pipec.planner import Plan
 from pipec.trace import Traced
 
@@ -84,7 +85,8 @@ def split(traced: Traced, graph: CostGraph, plan: Plan, user_module: str) -> Sta
         # ends in such a ReLU). The first stage's inputs are the data, with no gradient.
         copied = overwritten_inputs(gm, nodes, inputs) & {
             name for name, spec in zip(inputs, input_specs, strict=True) if spec.requires_grad}
-        stage_graph, paths = _stage_graph(gm, nodes, inputs, outputs, copied)
+        stage_graph, paths = _stage_graph(gm, nodes, inputs, outputs, copied,
+                                          rederivable_sizes(compute))
         source, lines = _stage_source(stage_graph.python_code(root_module="self"), user_module)
         imports.update(dict.fromkeys(lines))
         codes.append(StageCode(
@@ -166,9 +168,11 @@ def _model_outputs(gm: fx.GraphModule) -> tuple[str, ...]:
 
 
 def _stage_graph(gm: fx.GraphModule, nodes: list[fx.Node], inputs: list[str],
-                 outputs: tuple[str, ...], copied: set[str]) -> tuple[fx.Graph, tuple[str, ...]]:
+                 outputs: tuple[str, ...], copied: set[str], sizes: dict[str, str]
+                 ) -> tuple[fx.Graph, tuple[str, ...]]:
     """The stage's graph; each input in ``copied`` is cloned first, and the stage uses (and
-    forwards) the clone."""
+    forwards) the clone; a size made by an earlier stage (``sizes``: export's dynamic batch)
+    is read again from an input with that symbol in its shape."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     by_name = {n.name: n for n in gm.graph.nodes}
@@ -179,6 +183,8 @@ def _stage_graph(gm: fx.GraphModule, nodes: list[fx.Node], inputs: list[str],
     paths: list[str] = []
     for n in nodes:
         for arg in n.all_input_nodes:
+            if arg.name in sizes and arg not in env:
+                env[arg] = _read_size(graph, placeholders, by_name, sizes[arg.name])
             if arg.op == "get_attr" and arg not in env:
                 env[arg] = graph.node_copy(arg, env.__getitem__)
                 paths.append(str(arg.target))
@@ -192,6 +198,17 @@ def _stage_graph(gm: fx.GraphModule, nodes: list[fx.Node], inputs: list[str],
         output = next(n for n in gm.graph.nodes if n.op == "output")
         graph.output(fx.map_arg(output.args[0], env.__getitem__))
     return graph, _outermost(paths)
+
+
+def _read_size(graph: fx.Graph, placeholders: dict[str, fx.Node], by_name: dict[str, fx.Node],
+               symbol: str) -> fx.Node:
+    """``symbol`` read from the first input whose shape has it (liveness made sure one does)."""
+    for name, placeholder in placeholders.items():
+        for dim, size in enumerate(by_name[name].meta["val"].shape
+                                   if symbol in shape_symbols(by_name[name]) else ()):
+            if isinstance(size, torch.SymInt) and str(size.node.expr) == symbol:
+                return graph.call_function(torch.ops.aten.sym_size.int, (placeholder, dim))
+    raise AssertionError(f"no input of the stage has the size {symbol}")
 
 
 def _stage_source(code: PythonCode, user_module: str) -> tuple[str, list[str]]:

@@ -83,3 +83,18 @@ def test_profile_needs_an_fx_graph_and_says_so() -> None:
     with pytest.raises(TraceError, match=r"hf_gpt2\.py:\d+: torch\.fx cannot trace the model.*"
                                          r"pipec profile times the torch\.fx graph"):
         profile_model(HF, 2)
+
+
+def test_each_exported_stage_reads_the_dynamic_batch_again(tmp_path: Path) -> None:
+    """torch.export reads the batch size once, at the top, and uses it down to the last view:
+    a stage reads it again from a tensor it receives, so cuts inside the model are legal (128
+    of GPT-2's 134 inner cuts; 6, all near the end, before) and 4 stages, each of 10 nodes or
+    more, train like one process."""
+    compile_to(HF, tmp_path / "one", gpus=1, batch_size=16)
+    plan = compile_to(HF, tmp_path / "four", gpus=4, batch_size=16)
+    assert all(s.end - s.start >= 10 for s in plan.stages), [(s.start, s.end) for s in plan.stages]
+    source = (tmp_path / "four" / "stages.py").read_text()
+    assert source.count("torch.ops.aten.sym_size.int(") >= 3
+    reference = run_forked(tmp_path / "one", 1, "--steps", "3", "--seed", "3")
+    assert run_forked(tmp_path / "four", 4, "--steps", "3", "--seed", "3") == pytest.approx(
+        reference, rel=1e-5)
