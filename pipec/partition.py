@@ -255,19 +255,21 @@ class _Grid:
             fits = np.ones(starts.shape, dtype=bool)
             return plain if p.recompute_s is None or not p.always_recompute \
                 else self._recomputed(stage, ends, starts, plain, fits, fits)
-        # What a span holds either way (weights, its ends, its largest working set), once.
-        base = (self.static[ends][:, None] - self.static[starts]
-                + p.enter_bytes[stage, self.cuts[starts]]
-                + p.leave_bytes[stage, self.cuts[ends]][:, None]
-                + _window_max(self.working, starts))
+        # What a span holds either way (weights, its ends, its largest working set), gathered
+        # once; added in stage_memory's order, so that the sums round as the reference's do.
+        static = self.static[ends][:, None] - self.static[starts]
+        enter = p.enter_bytes[stage, self.cuts[starts]]
+        leave = p.leave_bytes[stage, self.cuts[ends]][:, None]
+        working = _window_max(self.working, starts)
         activations = self.activation[ends][:, None] - self.activation[starts]
         flights = p.in_flight[stage]
-        fits = (base + flights * activations - self._unmade_gradients(stage, ends, starts)
-                <= capacity)
+        unmade = self._unmade_gradients(stage, ends, starts)
+        fits = static + flights * activations - unmade + enter + leave + working <= capacity
         if p.recompute_s is None:
             return np.where(fits, plain, np.inf)
         graph = self.graph[ends][:, None] - self.graph[starts]
-        fits_recomputed = base + activations + flights * graph <= capacity
+        fits_recomputed = (static + activations + flights * graph + enter + leave + working
+                           <= capacity)
         return self._recomputed(stage, ends, starts, plain, fits, fits_recomputed)
 
     def _recomputed(self, stage: int, ends: np.ndarray, starts: np.ndarray, plain: np.ndarray,
@@ -276,7 +278,7 @@ class _Grid:
         p = self.p
         assert p.recompute_s is not None
         extra = p.recompute_s[stage, self.cuts]
-        slower = plain + extra[ends][:, None] - extra[starts]
+        slower = plain + (extra[ends][:, None] - extra[starts])  # as stage_choice rounds
         unrecomputable = p.unrecomputable[self.cuts]
         may = unrecomputable[ends][:, None] == unrecomputable[starts]
         recomputes = may & (p.always_recompute | ~fits)

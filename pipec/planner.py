@@ -122,7 +122,7 @@ def _infeasible(costs: Costs, layout: Layout) -> InfeasibleError:
     recompute = request.recompute != "none"
     e = unlimited(costs, Point(layout, micro_batch, schedule), "time", recompute)
     hint = ", --schedule 1f1b" if request.schedule == "gpipe" else ""
-    recomputing = " with every stage recomputing" if recompute else ""
+    recomputing = " with recomputation where it lowers a stage's memory" if recompute else ""
     return InfeasibleError(
         f"no split fits: even at micro-batch {micro_batch} under {schedule}{recomputing} the "
         f"time-balanced split over {layout.pp} pipeline device(s) needs "

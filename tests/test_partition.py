@@ -138,3 +138,12 @@ def test_a_stage_recomputes_only_where_it_must() -> None:
                          np.array([True, False, True, False, True]), (4.0, 5.0), (2, 2),
                          recompute=np.full(4, 0.5), unrecomputable=np.array([0, 0, 0, 1.0]))
     assert solve(stuck) is None
+
+
+def test_the_dp_adds_memory_in_the_reference_order() -> None:
+    """At the capacity exactly, the sum's rounding decides: 0.1 + 0.1 + 1.1 is 1.3 in the
+    scalar reference's order and 1.3000000000000003 in another; the DP must agree with it."""
+    problem = make_problem(np.ones(1), np.array([0.1]), np.array([0.1]), np.zeros(2),
+                           np.array([True, True]), (1.3,), (1,), enter=np.array([[1.1, 0.0]]),
+                           recompute=np.ones(1))
+    assert brute_force(problem) is not None and solve(problem) is not None

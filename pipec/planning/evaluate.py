@@ -57,8 +57,8 @@ class Evaluated:
 def partition(costs: Costs, point: Point, balance: Balance, batch: int | None = None,
               recompute_all: bool = False) -> Evaluated | None:
     """The boundaries and memory of one point at the global ``batch`` (default: the
-    request's), not yet simulated, every stage that may recomputing if ``recompute_all``; None
-    when ``balance`` finds nothing that fits."""
+    request's), not yet simulated, every stage recomputing where it may and that holds less if
+    ``recompute_all``; None when ``balance`` finds nothing that fits."""
     layout = point.layout
     micro_batches = (batch or costs.request.global_batch) // (layout.dp * point.micro_batch)
     flights = in_flight(point.schedule, layout.pp, micro_batches, layout.virtual)
@@ -72,10 +72,13 @@ def partition(costs: Costs, point: Point, balance: Balance, batch: int | None = 
     if placed is None:
         return None
     bounds, recompute = placed
-    if recompute_all:
-        unrecomputable = costs.unrecomputable(layout)
-        recompute = tuple(not unrecomputable[a:b].any() for a, b in itertools.pairwise(bounds))
     sc = costs.stages(layout, point.micro_batch)
+    if recompute_all:  # where it may and it holds less (not on a stage with one in flight)
+        unrecomputable = costs.unrecomputable(layout)
+        recompute = tuple(
+            not unrecomputable[a:b].any() and stage_memory(sc.arrays, a, b, role, True).total
+            < stage_memory(sc.arrays, a, b, role).total
+            for (a, b), role in zip(itertools.pairwise(bounds), roles, strict=True))
     stages = tuple(stage_memory(sc.arrays, a, b, role, again)
                    for (a, b), role, again in zip(itertools.pairwise(bounds), roles, recompute,
                                                   strict=True))
