@@ -220,6 +220,7 @@ def _node_cost(n: fx.Node, one: Measured, two: Measured,
         param_bytes=sum(nbytes(p) for p in params),
         buffer_bytes=buffer_bytes, shared_bytes=shared_bytes,
         autograd_nodes=one.autograd_nodes,
+        kernels=tuple(zip(one.kernels, two.kernels, strict=True)),
     )
 
 def _shape_at_one(low: torch.Tensor, high: torch.Tensor) -> tuple[int, ...]:

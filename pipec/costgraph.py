@@ -4,6 +4,11 @@ linear in the micro-batch size (the planner's input)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+# A product or convolution a node runs: ("matmul" or "conv", what its kernel depends on, the
+# operands' shapes and the call's options; pipec.kernels).
+KernelCall = tuple[str, tuple[Any, ...]]
 
 COMPUTE_OPS = ("call_module", "call_function", "call_method")
 
@@ -60,6 +65,10 @@ class NodeCost:
     # The operations autograd records for the node's backward, per micro-batch in flight: each
     # holds host memory (Device.graph_node_bytes) until the backward runs.
     autograd_nodes: int = 0
+    # Its forward's products and convolutions, each as run at both MEASURED_BATCHES (so that
+    # shapes that agree at one batch size only stay apart): a CPU keeps a kernel for each
+    # distinct one (pipec.kernels).
+    kernels: tuple[tuple[KernelCall, KernelCall], ...] = ()
 
 @dataclass(frozen=True)
 class LossCost:

@@ -15,6 +15,7 @@ import numpy as np
 
 from pipec.costgraph import CostGraph, LossCost, NodeCost
 from pipec.hardware import Device
+from pipec.partition import KernelRuns
 
 # Per fp32 parameter byte, what training keeps besides the weight itself: its gradient, the
 # optimizer state (SGD's momentum buffer; AdamW's two moments) and, under bf16 autocast, the
@@ -129,6 +130,8 @@ class NodeArrays:
     # it for every micro-batch in flight, only the saved tensors go, and makes another for the
     # micro-batch it recomputes.
     graph_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    # The kernels the device's math library keeps, each distinct call's once per stage.
+    kernels: KernelRuns = field(default_factory=KernelRuns)
 
     @functools.cached_property
     def accumulating_working_bytes(self) -> np.ndarray:
@@ -180,7 +183,18 @@ def node_arrays(graph: CostGraph, device: Device, micro_batch: int, training: Tr
     working[-1] = max(working[-1], _loss_working_bytes(graph, micro_batch, bf16, loss_saved))
     return NodeArrays(fwd, bwd, static, saved_bytes, boundary, held, working, loss_saved,
                       graph.loss.target_bytes.at(micro_batch),
-                      (param_bytes + shared) * GRADIENT_RATIO, graph_bytes)
+                      (param_bytes + shared) * GRADIENT_RATIO, graph_bytes,
+                      kernel_runs(graph, device, bf16))
+
+
+def kernel_runs(graph: CostGraph, device: Device, bf16: bool) -> KernelRuns:
+    """The graph's products and convolutions in order, each with the node of the same call's
+    run before and the bytes its kernels keep on ``device`` (hardware.Device)."""
+    per_kind = {"matmul": device.bf16_matmul_kernel_bytes if bf16 else 0.0,
+                "conv": device.conv_kernel_bytes}
+    runs = [(i, call) for i, n in enumerate(graph.nodes) for call in n.kernels]
+    return KernelRuns.of([i for i, _ in runs], [call for _, call in runs],
+                         [per_kind[call[0][0]] for _, call in runs])
 
 
 def _loss_working_bytes(graph: CostGraph, micro_batch: int, bf16: bool,

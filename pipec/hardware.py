@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
@@ -55,6 +56,12 @@ class Device:
     # objects of what it saves), held while a micro-batch is in flight: counted where the
     # device's memory is the host's (CPU); 0 elsewhere.
     graph_node_bytes: float = 0.0
+    # Host bytes the CPU math library (oneDNN) keeps for each distinct kernel it has run, JIT
+    # code and cached primitives, never freed: per forward call at a shape of its own, its
+    # backward's kernels included. Matrix products under --precision bf16 (oneDNN's only where
+    # the CPU has bf16 instructions) and convolutions; 0 on GPUs (benchmarks/kernel_bytes.py).
+    bf16_matmul_kernel_bytes: float = 0.0
+    conv_kernel_bytes: float = 0.0
 
 
 # PyTorch's cuBLAS workspace, allocated once per handle and stream through its caching allocator
@@ -69,6 +76,17 @@ _CUBLAS_WORKSPACE = {True: 32 * MIB, False: (2 * 4096 + 8 * 16) * 1024}
 # and NCCL versions more than on the chip, so every GPU preset takes these figures.
 _GPU_PROCESS_BYTES = 1177 * MIB
 _GPU_FRAGMENTATION = 0.10
+
+
+@functools.cache
+def cpu_has_bf16_kernels() -> bool:
+    """Whether this machine's CPU has bf16 instructions (AVX512-BF16 or AMX), with which
+    PyTorch runs bf16 matrix products on oneDNN's JIT-compiled kernels."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16"))
 
 
 def _gpu(name: str, fp32: float, bf16: float, bandwidth_gbs: float, memory_gib: float,
@@ -99,10 +117,15 @@ PRESETS: dict[str, Device] = {
     # 1.9 GB/s one way. Autograd's graph, measured with benchmarks/graph_bytes.py on the
     # samples at micro-batches 1, 2 and 8: 0.3 to 4.0 KiB per recorded operation, median 1.8
     # (the GPT 1.7-4.0, the ResNet 1.8-3.6, the MLP 0.3-0.8).
+    # oneDNN's kernels, measured with benchmarks/kernel_bytes.py: 1.6 MiB per new shape of a
+    # bf16 matrix product with its backward where the CPU has AVX512-BF16 (0 without: bf16 then
+    # runs on ATen's own kernels), 0.25 MiB per convolution.
     "cpu": Device("cpu", 0.05 * TFLOPS, 0.02 * TFLOPS, 10 * GB, 8 * GIB, 1.9 * GB, 1 * GB,
                   140e-6, 200e-6, kernel_overhead_s=20e-6, efficiency=1.0,
                   process_bytes=356 * MIB, runtime_bytes=0.9 * MIB, device_type="cpu",
-                  graph_node_bytes=2048),
+                  graph_node_bytes=2048,
+                  bf16_matmul_kernel_bytes=1.6 * MIB if cpu_has_bf16_kernels() else 0.0,
+                  conv_kernel_bytes=0.25 * MIB),
 }
 
 DEFAULT = "a100-80g"

@@ -12,9 +12,10 @@ from torch import fx
 from torch.nn import functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from pipec.costgraph import COMPUTE_OPS
+from pipec.costgraph import COMPUTE_OPS, KernelCall
 from pipec.errors import TraceError
 from pipec.inplace import written
+from pipec.kernels import KernelLog
 from pipec.tensors import flat_tensors
 
 # A storage a node saves for backward: ("input", k), ("output", j) or ("internal", bytes).
@@ -30,6 +31,7 @@ class Measured:
     # The operations autograd records for the node's backward (its graph's nodes), per
     # micro-batch, each host memory while the micro-batch is in flight.
     autograd_nodes: int = 0
+    kernels: tuple[KernelCall, ...] = ()  # its forward's products and convolutions
 
 class _MeasuringInterpreter(fx.Interpreter):
     """Runs the graph on meta tensors, each compute node in isolation (cf. fx's ShapeProp).
@@ -90,19 +92,23 @@ class _MeasuringInterpreter(fx.Interpreter):
             value = getattr(self, n.op)(n.target, args, kwargs)
         else:
             copies = {t.grad_fn for t in inputs if t.grad_fn is not None}  # see _isolate
-            value, forward, backward, saved = self._instrumented(n, args, kwargs, leaves)
+            value, forward, backward, saved, kernels = self._instrumented(n, args, kwargs,
+                                                                          leaves)
             self.memo[key] = _Memo(forward, backward, self._recipe(inputs, value, saved),
-                                   self._template(value, inputs), autograd_nodes(value, copies))
+                                   self._template(value, inputs), autograd_nodes(value, copies),
+                                   kernels)
         memo = self.memo[key]
         self.keep_alive += [*leaves, *inputs, *flat_tensors(value)]
         self._record(n.name, inputs, flat_tensors(value), memo.saved)
         self.measured[n.name] = Measured(value, memo.fwd_flops, memo.bwd_flops, 0,
-                                         autograd_nodes=memo.autograd_nodes)
+                                         autograd_nodes=memo.autograd_nodes,
+                                         kernels=memo.kernels)
         return value
 
     def _instrumented(self, n: fx.Node, args: Any, kwargs: Any, leaves: list[torch.Tensor]
-                      ) -> tuple[Any, int, int, list[torch.Tensor]]:
-        """Run the node counting FLOPs forward and backward and catching what it saves."""
+                      ) -> tuple[Any, int, int, list[torch.Tensor], tuple[KernelCall, ...]]:
+        """Run the node counting FLOPs forward and backward, catching what it saves and
+        logging its products and convolutions."""
         saved: list[torch.Tensor] = []
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
@@ -110,13 +116,13 @@ class _MeasuringInterpreter(fx.Interpreter):
             return tensor
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
-                FlopCounterMode(display=False) as forward:
+                FlopCounterMode(display=False) as forward, KernelLog() as kernels:
             value = getattr(self, n.op)(n.target, args, kwargs)
         backward = self._backward_flops(n, value, leaves)
         if n.target is F.scaled_dot_product_attention:
             value, saved = self._fused_attention(args, kwargs, value, saved)
         self.keep_alive += saved
-        return value, forward.get_total_flops(), backward, saved
+        return value, forward.get_total_flops(), backward, saved, tuple(kernels.calls)
 
     def _signature(self, n: fx.Node, args: Any, kwargs: Any) -> Hashable:
         """What a node's costs depend on: its operation (a module's type and configuration) and
@@ -282,6 +288,7 @@ class _Memo:
     saved: tuple[Saved, ...]
     output: Any  # a template of the output (see _template)
     autograd_nodes: int = 0
+    kernels: tuple[KernelCall, ...] = ()
 
 def _rebuildable(template: Any) -> bool:
     if template is _RUN:
@@ -322,7 +329,7 @@ def measure(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...]) -> dict[str, M
         interpreter.run(*inputs)
     saved = interpreter.saved_bytes()
     return {name: Measured(m.value, m.fwd_flops, m.bwd_flops, saved.get(name, 0),
-                            interpreter.is_saved(m.value), m.autograd_nodes)
+                            interpreter.is_saved(m.value), m.autograd_nodes, m.kernels)
             for name, m in interpreter.measured.items()}
 
 

@@ -29,6 +29,51 @@ import numpy as np
 
 
 @dataclass(frozen=True)
+class KernelRuns:
+    """The kernels a CPU's math library compiles and keeps (pipec.kernels), one entry per call
+    in graph order: the node that runs it, the node of the same call's run before (−1: none)
+    and its bytes. A stage holds each distinct call's once: the runs in its span whose run
+    before lies outside it."""
+
+    position: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=int))
+    previous: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=int))
+    bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))
+
+    @classmethod
+    def of(cls, position: list[int], call: list[object], nbytes: list[float]) -> KernelRuns:
+        """From each run's node (ascending), its call (equal calls share a kernel), bytes."""
+        last: dict[object, int] = {}
+        previous = []
+        for node, c in zip(position, call, strict=True):
+            previous.append(last.get(c, -1))
+            last[c] = node
+        return cls(np.array(position, dtype=int), np.array(previous, dtype=int),
+                   np.array(nbytes, dtype=float))
+
+    @property
+    def held(self) -> bool:
+        return bool(self.bytes.any())
+
+    def row(self, start: int) -> np.ndarray:
+        """Per run count c, the bytes of a span from ``start`` over the first c runs: summed
+        in graph order, as every caller rounds."""
+        first = (self.position >= start) & (self.previous < start)
+        return np.concatenate(([0.0], np.cumsum(np.where(first, self.bytes, 0.0))))
+
+    def span_bytes(self, start: int, end: int) -> float:
+        if not self.held:
+            return 0.0
+        return float(self.row(start)[np.searchsorted(self.position, end)])
+
+    def between(self, cuts: np.ndarray) -> np.ndarray:
+        """span_bytes(cuts[a], cuts[b]) for every pair of cuts, as a matrix [a, b]."""
+        if not self.held:
+            return np.zeros((len(cuts), len(cuts)))
+        runs = np.searchsorted(self.position, cuts)
+        return np.stack([self.row(int(c))[runs] for c in cuts])
+
+
+@dataclass(frozen=True)
 class Problem:
     """Prefix sums (length n + 1) of per-node costs, the cuts allowed, and each stage's limits."""
 
@@ -55,6 +100,7 @@ class Problem:
     # Prefix sums of the part of activation_bytes that a recomputing stage still holds per
     # micro-batch in flight (autograd's graph, on a CPU).
     graph_bytes: np.ndarray = field(default_factory=lambda: np.zeros(1))
+    kernels: KernelRuns = field(default_factory=KernelRuns)
 
     @property
     def unmade_key(self) -> np.ndarray:
@@ -86,7 +132,8 @@ def make_problem(costs: np.ndarray, static: np.ndarray, activation: np.ndarray,
                  gradients: np.ndarray | None = None,
                  before_gradients: tuple[bool, ...] | None = None,
                  recompute: np.ndarray | None = None, unrecomputable: np.ndarray | None = None,
-                 always_recompute: bool = False, graph: np.ndarray | None = None) -> Problem:
+                 always_recompute: bool = False, graph: np.ndarray | None = None,
+                 kernels: KernelRuns | None = None) -> Problem:
     """Build a Problem from per-node arrays (length n) and per-cut arrays (length n + 1).
 
     ``costs``, ``cut_s``, ``enter``, ``leave`` and ``recompute`` (each node's cost of running
@@ -110,7 +157,7 @@ def make_problem(costs: np.ndarray, static: np.ndarray, activation: np.ndarray,
                                                                   (stages, n + 1)),
                    prefix(np.zeros(n) if unrecomputable is None else unrecomputable),
                    always_recompute, prefix(np.zeros(n) if graph is None or not len(graph)
-                                            else graph))
+                                            else graph), kernels or KernelRuns())
 
 
 def stage_time(p: Problem, stage: int, start: int, end: int) -> float:
@@ -121,7 +168,8 @@ def stage_memory(p: Problem, stage: int, start: int, end: int) -> float:
     activations = p.activation_bytes[end] - p.activation_bytes[start]
     return float(p.static_bytes[end] - p.static_bytes[start] + p.in_flight[stage] * activations
                  - unmade_gradients(p, stage, start, end) + p.enter_bytes[stage, start]
-                 + p.leave_bytes[stage, end] + p.working_bytes[start:end].max(initial=0.0))
+                 + p.leave_bytes[stage, end] + p.working_bytes[start:end].max(initial=0.0)
+                 + p.kernels.span_bytes(start, end))
 
 
 def recomputed_memory(p: Problem, stage: int, start: int, end: int) -> float:
@@ -133,7 +181,7 @@ def recomputed_memory(p: Problem, stage: int, start: int, end: int) -> float:
     return float(p.static_bytes[end] - p.static_bytes[start] + activations
                  + p.in_flight[stage] * graph
                  + p.enter_bytes[stage, start] + p.leave_bytes[stage, end]
-                 + p.working_bytes[start:end].max(initial=0.0))
+                 + p.working_bytes[start:end].max(initial=0.0) + p.kernels.span_bytes(start, end))
 
 
 def stage_choice(p: Problem, stage: int, start: int, end: int) -> tuple[float, bool] | None:
@@ -229,6 +277,7 @@ class _Grid:
         self.lowest_key = np.array([-key[a:b].min() for a, b in itertools.pairwise(cuts)])
         self.working = np.array([p.working_bytes[a:b].max(initial=0.0)
                                   for a, b in itertools.pairwise(cuts)])
+        self.kernels = p.kernels.between(cuts) if p.kernels.held else None
 
     def starts(self, stage: int, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Per end, the starts to try (ascending, padded) and which of them are real: at least
@@ -264,12 +313,14 @@ class _Grid:
         activations = self.activation[ends][:, None] - self.activation[starts]
         flights = p.in_flight[stage]
         unmade = self._unmade_gradients(stage, ends, starts)
-        fits = static + flights * activations - unmade + enter + leave + working <= capacity
+        kernels = 0.0 if self.kernels is None else self.kernels[starts, ends[:, None]]
+        fits = (static + flights * activations - unmade + enter + leave + working + kernels
+                <= capacity)
         if p.recompute_s is None:
             return np.where(fits, plain, np.inf)
         graph = self.graph[ends][:, None] - self.graph[starts]
         fits_recomputed = (static + activations + flights * graph + enter + leave + working
-                           <= capacity)
+                           + kernels <= capacity)
         return self._recomputed(stage, ends, starts, plain, fits, fits_recomputed)
 
     def _recomputed(self, stage: int, ends: np.ndarray, starts: np.ndarray, plain: np.ndarray,

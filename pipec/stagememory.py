@@ -28,11 +28,14 @@ class StageMemory:
     # the peak comes before the gradients exist (train.py zeroes them to None each step), or
     # after one micro-batch's activations are freed: the smaller of the two is not held.
     unmade_gradients: float = 0.0
+    # The math library's compiled kernels, one per distinct product or convolution (on CPUs).
+    kernels: float = 0.0
 
     @property
     def total(self) -> float:
         return (self.static + self.activations + self.held_outputs + self.receive_buffers
-                + self.data + self.loss + self.working + self.sent + self.unmade_gradients)
+                + self.data + self.loss + self.working + self.sent + self.unmade_gradients
+                + self.kernels)
 
 
 @dataclass(frozen=True)
@@ -89,7 +92,8 @@ def stage_memory(arrays: NodeArrays, start: int, end: int, role: StageRole,
         working=float(working_bytes(arrays, role)[start:end].max(initial=0.0)),
         sent=_sent_bytes(arrays, start, end, role),
         unmade_gradients=-unmade_gradients(arrays, start, end)
-        if role.peaks_before_gradients and not recompute else 0.0)
+        if role.peaks_before_gradients and not recompute else 0.0,
+        kernels=arrays.kernels.span_bytes(start, end))
 
 
 def _activations(arrays: NodeArrays, start: int, end: int, in_flight: int,

@@ -127,3 +127,15 @@ def test_autograd_nodes_add_up_to_the_real_models_graph(name: str) -> None:
     real = autograd_nodes(spec.build_model().train()(*inputs))
     assert real > len(graph.nodes) // 2  # a real graph, not an empty count
     assert sum(n.autograd_nodes for n in graph.nodes) == real
+
+
+def test_products_and_convolutions_are_logged_by_shape() -> None:
+    # The kernels a CPU keeps (pipec.kernels): attention runs two products; equal layers run
+    # the same calls; a convolution's stride makes a call of its own.
+    _, graph = analyse(MODELS / "kernel_calls.py")
+    calls = {n.name: n.kernels for n in graph.nodes}
+    kinds = {name: [call[0][0] for call in runs] for name, runs in calls.items()}
+    assert kinds["a"] == kinds["b"] == kinds["head"] == ["matmul"]
+    assert kinds["c1"] == kinds["c2"] == ["conv"]
+    assert kinds["scaled_dot_product_attention"] == ["matmul", "matmul"]
+    assert calls["a"] == calls["b"] and calls["c1"] != calls["c2"] and calls["a"] != calls["head"]

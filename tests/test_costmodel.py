@@ -3,6 +3,8 @@ stagememory.stage_memory, term for term summed, for any stage of any pipeline.""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -12,7 +14,7 @@ from pipec.annotate import annotate
 from pipec.costmodel import NodeArrays, Training, node_arrays
 from pipec.hardware import PRESETS
 from pipec.loader import load_model_file
-from pipec.partition import make_problem
+from pipec.partition import KernelRuns, make_problem
 from pipec.partition import stage_memory as dp_stage_memory
 from pipec.stagememory import StageRole, ends_bytes, stage_memory, working_bytes
 from pipec.trace import trace_model
@@ -27,8 +29,11 @@ def stages(draw: st.DrawFn) -> tuple[NodeArrays, int, int, StageRole]:
         return np.array(draw(st.lists(values, min_size=length, max_size=length)))
 
     static = array(n)
+    runs = sorted(draw(st.lists(st.integers(0, n - 1), max_size=2 * n)))
+    calls = [draw(st.integers(0, 2)) for _ in runs]
+    kernels = KernelRuns.of(runs, calls, [float(c + 1) * 1e5 for c in calls])
     arrays = NodeArrays(array(n), array(n), static, array(n), array(n + 1), array(n + 1),
-                        array(n), draw(values), draw(values), static / 3)
+                        array(n), draw(values), draw(values), static / 3, kernels=kernels)
     num_stages = draw(st.integers(1, 4))
     index = draw(st.integers(0, num_stages - 1))
     # Where the stage can sit: only the first starts at cut 0, only the last ends at n.
@@ -51,7 +56,7 @@ def test_the_dp_counts_exactly_the_stage_memory_terms(case: tuple) -> None:
                            arrays.cut_bytes, np.ones(len(arrays.fwd_s) + 1, bool),
                            (float("inf"),), (role.in_flight,), enter, leave,
                            working_bytes(arrays, role), arrays.gradient_bytes,
-                           (role.peaks_before_gradients,))
+                           (role.peaks_before_gradients,), kernels=arrays.kernels)
     expected = stage_memory(arrays, start, end, role).total
     assert abs(dp_stage_memory(problem, 0, start, end) - expected) <= 1e-9 * max(1.0, expected)
 
@@ -134,3 +139,23 @@ def test_autograd_graph_is_device_memory_on_a_cpu_only() -> None:
     assert nodes.sum() > 0
     assert np.allclose(cpu.activation_bytes - gpu.activation_bytes,
                        nodes * PRESETS["cpu"].graph_node_bytes)
+
+
+def test_a_cpu_stage_holds_one_kernel_per_distinct_product_or_convolution() -> None:
+    # On a CPU whose math library keeps compiled kernels: the GPT sample repeats its blocks, so
+    # a stage over the whole model holds its distinct products' kernels once each, under bf16
+    # only (fp32 products go to a BLAS that keeps none); the ResNet its distinct convolutions.
+    cpu = replace(PRESETS["cpu"], bf16_matmul_kernel_bytes=1000.0, conv_kernel_bytes=10.0)
+    whole = StageRole(0, 1, 1, 1)
+    for sample, precision, kind, per_call in (("gpt.py", "bf16", "matmul", 1000.0),
+                                              ("gpt.py", "fp32", "matmul", 0.0),
+                                              ("resnet.py", "fp32", "conv", 10.0)):
+        spec = load_model_file(SAMPLES / sample)
+        graph = annotate(trace_model(spec), spec, autocast_device="cpu")
+        calls = [call for n in graph.nodes for call in n.kernels if call[0][0] == kind]
+        assert len(set(calls)) < len(calls)  # repeated layers run the same calls
+        training = Training("sgd", precision)
+        memory = stage_memory(node_arrays(graph, cpu, 4, training), 0, len(graph.nodes), whole)
+        assert memory.kernels == per_call * len(set(calls))
+        gpu = node_arrays(graph, PRESETS["h100-80g"], 4, training)
+        assert stage_memory(gpu, 0, len(graph.nodes), whole).kernels == 0.0

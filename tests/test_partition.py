@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipec.partition import (
+    KernelRuns,
     brute_force,
     make_problem,
     recomputed_memory,
@@ -53,7 +54,30 @@ def problems(draw: st.DrawFn) -> tuple:
     graph = activation * np.array(draw(st.lists(st.floats(0.0, 1.0), min_size=n, max_size=n)))
     return make_problem(costs, static, activation, cut_s, legal, capacity, in_flight,
                         enter, leave, working, gradients, before, recompute, unrecomputable,
-                        mode == "full", graph)
+                        mode == "full", graph, draw(kernel_runs(n)))
+
+
+@st.composite
+def kernel_runs(draw: st.DrawFn, n: int) -> KernelRuns:
+    """Products and convolutions on random nodes, some calls repeated (a repeated layer's)."""
+    position = sorted(draw(st.lists(st.integers(0, n - 1), max_size=2 * n)))
+    call = [draw(st.integers(0, 3)) for _ in position]
+    per_call = draw(st.lists(st.floats(0.0, 10.0, allow_nan=False), min_size=4, max_size=4))
+    return KernelRuns.of(position, call, [per_call[c] for c in call])
+
+
+def test_a_stage_holds_each_distinct_kernel_once() -> None:
+    # Calls a, b, a, c on nodes 0, 1, 2, 2 (node 2 runs two): a span keeps each call's once.
+    runs = KernelRuns.of([0, 1, 2, 2], ["a", "b", "a", "c"], [1.0, 2.0, 1.0, 4.0])
+    assert runs.span_bytes(0, 3) == 7.0  # a, b, c
+    assert runs.span_bytes(0, 2) == 3.0  # a, b
+    assert runs.span_bytes(1, 3) == 7.0  # b, then a and c on node 2
+    assert runs.span_bytes(2, 3) == 5.0
+    assert runs.span_bytes(1, 1) == 0.0
+    cuts = np.array([0, 1, 2, 3])
+    matrix = runs.between(cuts)
+    assert all(matrix[a, b] == runs.span_bytes(int(cuts[a]), int(cuts[b]))
+               for a in range(4) for b in range(a + 1, 4))
 
 
 @settings(max_examples=300, deadline=None)

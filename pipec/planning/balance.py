@@ -101,7 +101,7 @@ def _problem(costs: Costs, point: Point, roles: tuple[StageRole, ...], balance: 
                         np.stack(leave), working_bytes(arrays, roles[0]), arrays.gradient_bytes,
                         tuple(role.peaks_before_gradients for role in roles),
                         None if mode == "none" else sc.fwd_s, costs.unrecomputable(layout),
-                        mode == "full", arrays.graph_bytes)
+                        mode == "full", arrays.graph_bytes, arrays.kernels)
 
 
 def uniform_boundaries(legal: np.ndarray, stages: int) -> tuple[int, ...]:

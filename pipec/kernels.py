@@ -1,0 +1,42 @@
+"""The matrix products and convolutions a node runs, by shape and kind.
+
+On a CPU, oneDNN compiles a kernel for each distinct product or convolution it runs and keeps it
+for the life of the process (Device.bf16_matmul_kernel_bytes, conv_kernel_bytes): a stage holds
+one per distinct call among its nodes, however many layers repeat it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from pipec.costgraph import KernelCall
+
+aten = torch.ops.aten
+_KINDS = {aten.mm.default: "matmul", aten.addmm.default: "matmul", aten.bmm.default: "matmul",
+          aten.baddbmm.default: "matmul", aten.convolution.default: "conv"}
+
+
+class KernelLog(TorchDispatchMode):
+    """Records the products and convolutions run under it (on meta tensors, attention runs its
+    two products, as the CPU's does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[KernelCall] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        kind = _KINDS.get(func)
+        if kind is not None:
+            self.calls.append((kind, tuple(_describe(a) for a in args)))
+        return func(*args, **(kwargs or {}))
+
+
+def _describe(arg: Any) -> Any:
+    if isinstance(arg, torch.Tensor):
+        return tuple(arg.shape)
+    if isinstance(arg, list | tuple):
+        return tuple(_describe(a) for a in arg)
+    return repr(arg)
