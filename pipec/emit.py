@@ -32,14 +32,18 @@ from pipec.report import (
     stage_table,
     timeline_svg,
 )
-from pipec.schedule import SCHEDULES
+from pipec.schedule import SCHEDULES, ZERO_BUBBLE
 from pipec.split import Boundary, Staged
 from pipec.trace import Traced
 from pipec.units import duration, gib, module_list
 
 SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
-                    "interleaved": "ScheduleInterleaved1F1B"}
-SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "interleaved 1F1B"}
+                    "interleaved": "ScheduleInterleaved1F1B",
+                    "interleaved-zb": "ScheduleInterleavedZeroBubble",
+                    "zbv": "ScheduleZBVZeroBubble"}
+SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "interleaved 1F1B",
+                  "interleaved-zb": "interleaved zero bubble (ZB-1P)",
+                  "zbv": "zero bubble V (ZB-V)"}
 DEFAULT_LR = {"sgd": 0.01, "adamw": 0.001}
 assert set(SCHEDULE_CLASSES) == set(SCHEDULES)
 
@@ -70,6 +74,7 @@ def render(spec: ModelSpec, traced: Traced, plan: Plan, norms: NormPlan,
         "stages.py": _render("stages.py.j2", {**context, **_stage_context(plan, norms, staged)}),
         "weights.py": _render("weights.py.j2", context),
         "checkpoints.py": _render("checkpoints.py.j2", context),
+        "gradients.py": _render("gradients.py.j2", context),
         "metrics.py": _render("metrics.py.j2", context),
         "data.py": _render("data.py.j2", context),
         "report.md": _render("report.md.j2", {**context, **_report_context(plan, norms)}),
@@ -93,6 +98,8 @@ def _context(spec: ModelSpec, traced: Traced, plan: Plan, norms: NormPlan,
     return {
         "version": __version__, "model_file": spec.path.name, "pp": plan.pp, "dp": plan.dp,
         "num_stages": len(plan.stages), "virtual_stages": plan.virtual_stages,
+        "stage_devices": [s.device for s in plan.stages],
+        "split_backward": plan.schedule in ZERO_BUBBLE,
         "gpus": request.gpus, "nodes": request.nodes, "hardware": request.hardware,
         "global_batch": request.global_batch, "micro_batch": plan.micro_batch,
         "num_micro_batches": plan.num_micro_batches, "schedule": plan.schedule,
@@ -140,6 +147,7 @@ def _stage_context(plan: Plan, norms: NormPlan, staged: Staged) -> dict[str, Any
         "input_specs": _specs_literal(code.input_specs),
         "output_specs": _specs_literal(code.output_specs),
         "recompute": stage.recompute,
+        "copy_outputs": plan.schedule in ZERO_BUBBLE and stage.index < len(plan.stages) - 1,
     } for code, stage in zip(staged.stages, plan.stages, strict=True)]
     return {"stages": stages, "imports": staged.imports, "norm_rewrites": norms.rewrites,
             "tied": staged.tied, "group_norm": norms.grouped,

@@ -63,7 +63,7 @@ def _replace(staging: Path, out: Path) -> None:
     shutil.rmtree(retired, ignore_errors=True)
 
 
-_EMITTED = ("model", "stages", "weights", "checkpoints", "metrics", "data")
+_EMITTED = ("model", "stages", "weights", "checkpoints", "metrics", "data", "gradients")
 
 
 @contextlib.contextmanager

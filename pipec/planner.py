@@ -33,7 +33,7 @@ from pipec.planning.layouts import VIRTUAL_STAGES, layouts_to_search, points
 from pipec.planning.maxbatch import MAX_BATCH_FACTOR, max_batches
 from pipec.planning.search import search
 from pipec.planning.values import Baseline, Candidate, MaxBatch, Plan, PlanRequest, StagePlan
-from pipec.schedule import SCHEDULES
+from pipec.schedule import SCHEDULES, ZERO_BUBBLE
 from pipec.units import gib
 
 # --recompute: where a stage must to fit (auto), never, or every stage that may (full).
@@ -100,9 +100,15 @@ def _check(request: PlanRequest) -> None:
         raise ConfigError(f"schedule {request.schedule!r} is not supported; "
                           f"use one of auto, {', '.join(SCHEDULES)}")
     if request.virtual_stages is not None and (
-            request.virtual_stages < 2 or request.schedule not in ("auto", "interleaved")):
+            request.virtual_stages < 2
+            or request.schedule not in ("auto", "interleaved", "interleaved-zb")):
         raise ConfigError(f"--virtual-stages {request.virtual_stages}: it sets the stages per "
-                          "device of --schedule interleaved and must be 2 or more")
+                          "device of --schedule interleaved or interleaved-zb and must be 2 or "
+                          "more (zbv always runs 2)")
+    if request.schedule in ZERO_BUBBLE and request.recompute == "full":
+        raise ConfigError(f"--schedule {request.schedule} with --recompute full: torch's "
+                          "zero-bubble schedules do not run with activation recomputation; use "
+                          "--recompute auto (it then recomputes nothing) or --schedule 1f1b")
     if request.recompute not in RECOMPUTE:
         raise ConfigError(f"--recompute {request.recompute!r}: use one of {', '.join(RECOMPUTE)}"
                           " (selective recomputation is not supported yet)")
@@ -152,7 +158,7 @@ def _stage_plan(costs: Costs, e: Evaluated, k: int, a: int, b: int) -> StagePlan
         compute_s=compute,
         boundary_bytes=(0.0 if b == len(costs.graph.nodes) else
                         costs.graph.cut_bytes_at(costs.request.training.precision)[b].at(m)),
-        device=k % e.layout.pp,
+        device=e.layout.position(k),
         fwd_s=fwd,
         bwd_s=bwd,
         memory=e.stage_memory[k],

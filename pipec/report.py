@@ -92,8 +92,10 @@ def norm_table(norms: NormPlan) -> str:
 
 # Timeline geometry, in SVG user units.
 ROW_HEIGHT, ROW_GAP, LEFT, WIDTH, TOP = 28, 8, 70, 900, 24
-# Forward blue, backward green; under the interleaved schedule a device's later stages lighter.
-COLORS = {"F": ("#4c78a8", "#86b4d9"), "B": ("#59a14f", "#8cc97f")}
+# Forward blue, backward green (a zero-bubble schedule's input gradient green, its weights'
+# gradient orange); under the interleaved schedules a device's later stages lighter.
+COLORS = {"F": ("#4c78a8", "#86b4d9"), "B": ("#59a14f", "#8cc97f"),
+          "I": ("#59a14f", "#8cc97f"), "W": ("#f28e2b", "#ffbe7d")}
 
 
 def timeline_svg(simulation: Simulation, num_devices: int, title: str) -> str:

@@ -7,7 +7,8 @@ the next stage's backward). Orders follow torch.distributed.pipelining: GPipe ru
 forward, then every backward; 1F1B (PipeDream-Flush) runs ``pp - device - 1`` warm-up forwards,
 then alternates, then drains; interleaved 1F1B (Narayanan et al. 2021, torch's
 ScheduleInterleaved1F1B) warms up ``(v - 1)·pp + 2(pp - device - 1)`` forwards, depth first,
-then alternates.
+then alternates. The zero-bubble schedules (pipec.zero_bubble) split each backward into the
+input's gradient ("I") and the weights' ("W").
 """
 
 from __future__ import annotations
@@ -19,13 +20,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+from pipec.zero_bubble import interleaved_zb_order, v_device, zbv_order
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "interleaved-zb", "zbv")
 # Schedules whose torch runtime (_PipelineScheduleRuntime) waits for its sends only at the end
 # of the step: the tensors sent stay alive until then (stagememory.StageRole.holds_sends).
 # ScheduleGPipe and Schedule1F1B wait for each send within the step.
-HOLDS_SENDS = frozenset({"interleaved"})
+HOLDS_SENDS = frozenset({"interleaved", "interleaved-zb", "zbv"})
+# Schedules that split each backward into the input's gradient and the weights'.
+ZERO_BUBBLE = frozenset({"interleaved-zb", "zbv"})
 
-Order = list[tuple[str, int, int]]  # (kind "F" or "B", stage, micro-batch)
+# (kind, stage, micro-batch); kind "F" forward, "B" backward, or, split, "I" the input's
+# gradient and "W" the weights'.
+Order = list[tuple[str, int, int]]
 
 
 @dataclass(frozen=True)
@@ -48,13 +55,21 @@ class Simulation:
 
 def runs(schedule: str, pp: int, num_micro_batches: int, virtual: int = 1) -> bool:
     """Whether torch.distributed.pipelining runs the schedule: 1F1B needs M ≥ pp; interleaved
-    needs two or more devices and stages per device, and M a multiple of pp."""
+    (either) needs two or more devices and stages per device, and M a multiple of pp; ZB-V two
+    or more devices with exactly two stages each."""
     if schedule == "gpipe":
         return virtual == 1
     if schedule == "1f1b":
         return virtual == 1 and num_micro_batches >= pp
+    if schedule == "zbv":
+        return pp >= 2 and virtual == 2
     return (pp >= 2 and virtual >= 2 and num_micro_batches >= pp
             and num_micro_batches % pp == 0)
+
+
+def stage_device(schedule: str, stage: int, pp: int) -> int:
+    """The pipeline device that runs ``stage``: k mod pp (a loop), or ZB-V's V."""
+    return v_device(stage, pp) if schedule == "zbv" else stage % pp
 
 
 def action_order(schedule: str, device: int, pp: int, num_micro_batches: int,
@@ -62,6 +77,10 @@ def action_order(schedule: str, device: int, pp: int, num_micro_batches: int,
     """The (kind, stage, micro-batch) sequence one device runs."""
     if schedule == "interleaved":
         return _interleaved_order(device, pp, num_micro_batches, virtual)
+    if schedule == "interleaved-zb":
+        return interleaved_zb_order(device, pp, num_micro_batches, virtual)
+    if schedule == "zbv":
+        return zbv_order(device, pp, num_micro_batches)
     forwards = [("F", device, k) for k in range(num_micro_batches)]
     backwards = [("B", device, k) for k in range(num_micro_batches)]
     if schedule == "gpipe":
@@ -101,12 +120,30 @@ def _interleaved_order(device: int, pp: int, num_micro_batches: int, virtual: in
 
 def in_flight(schedule: str, pp: int, num_micro_batches: int, virtual: int = 1
               ) -> tuple[int, ...]:
-    """Per stage, the most micro-batches whose forward ran and whose backward has not."""
+    """Per stage, the most micro-batches whose forward ran and whose backward has not (under a
+    zero-bubble schedule, whose weights' gradient has not: until then the stage keeps what
+    that gradient needs)."""
     if schedule == "gpipe":
         return (num_micro_batches,) * pp
     if schedule == "1f1b":
         return tuple(min(pp - s, num_micro_batches) for s in range(pp))
+    if schedule in ZERO_BUBBLE:
+        return _counted_in_flight(schedule, pp, num_micro_batches, virtual)
     return _interleaved_in_flight(pp, num_micro_batches, virtual)
+
+
+@functools.lru_cache(maxsize=256)
+def _counted_in_flight(schedule: str, pp: int, num_micro_batches: int, virtual: int
+                       ) -> tuple[int, ...]:
+    """Counted over each device's order: a forward adds one, a full or a weights' backward
+    takes one away."""
+    held = [0] * (pp * virtual)
+    peaks = [0] * (pp * virtual)
+    for device in range(pp):
+        for kind, stage, _ in action_order(schedule, device, pp, num_micro_batches, virtual):
+            held[stage] += {"F": 1, "B": -1, "W": -1}.get(kind, 0)
+            peaks[stage] = max(peaks[stage], held[stage])
+    return tuple(peaks)
 
 
 @functools.lru_cache(maxsize=256)
@@ -129,17 +166,21 @@ def _interleaved_in_flight(pp: int, num_micro_batches: int, virtual: int) -> tup
     return tuple(peaks)
 
 
-def lower_bound_s(work_s: float, pp: int, num_micro_batches: int, virtual: int = 1) -> float:
+def lower_bound_s(work_s: float, pp: int, num_micro_batches: int, virtual: int = 1,
+                  schedule: str = "1f1b") -> float:
     """No partition of ``work_s`` (one micro-batch's forward + backward over all stages) runs
     faster under these schedules.
 
-    One micro-batch's forward and backward chain through every stage: at least ``work_s``; some
-    device does 1/pp of the M micro-batches' work. With one stage per device, stage s starts no
+    One micro-batch's forward and backward chain through every stage: at least ``work_s`` (not
+    under a zero-bubble schedule, whose weights' gradients leave the chain); some device does
+    1/pp of the M micro-batches' work. With one stage per device, stage s starts no
     earlier than the forwards of the stages before it and ends no earlier than their backwards
     after its own M: ``T ≥ P_s + M·t_s`` with P_s the work before s. The stage times that
     minimize the largest of these make them all equal: t_s = (T/M)(1 − 1/M)^s, so
     ``T ≥ W / (1 − (1 − 1/M)^pp)`` (on balanced stages the closed form is (M + pp − 1)·W/pp).
     """
+    if schedule in ZERO_BUBBLE:  # weights' gradients run off the chain: only the busiest device
+        return num_micro_batches * work_s / pp
     busiest = max(work_s, num_micro_batches * work_s / pp)
     if virtual > 1:
         return busiest
@@ -147,27 +188,39 @@ def lower_bound_s(work_s: float, pp: int, num_micro_batches: int, virtual: int =
 
 
 def stage_lower_bound_s(fwd_s: list[float], bwd_s: list[float], num_micro_batches: int,
-                        pp: int) -> float:
-    """A bound for known stage times, under any of the schedules: device d's first action is
-    stage d's first forward and its last is stage d's last backward, so it finishes no earlier
-    than ``P_d + M·T_d`` (P_d: the work of stages 0…d−1 of one micro-batch; T_d: the device's
-    work per micro-batch). On balanced stages it is the closed form of each schedule, e.g.
-    (vM + pp − 1)·W/(v·pp) for interleaved 1F1B."""
+                        pp: int, schedule: str = "1f1b") -> float:
+    """A bound for known stage times: device d's first action is stage d's first forward, so it
+    finishes no earlier than ``F_d + M·T_d`` (F_d: the forwards of stages 0…d−1 of one
+    micro-batch; T_d: the device's work per micro-batch). Unless the schedule defers weight
+    gradients (zero-bubble), its last action is stage d's last backward, which the backwards of
+    stages d−1…0 follow: ``P_d + M·T_d`` with P_d their forward and backward. On balanced
+    stages that is each schedule's closed form, e.g. (vM + pp − 1)·W/(v·pp) for interleaved
+    1F1B."""
     work = [f + b for f, b in zip(fwd_s, bwd_s, strict=True)]
-    before = itertools.accumulate(work[:pp - 1], initial=0.0)
-    return max(sum(work), *(p + num_micro_batches * sum(work[d::pp])
-                            for d, p in enumerate(before)))
+    zero_bubble = schedule in ZERO_BUBBLE
+    before = fwd_s if zero_bubble else work
+    prefix = list(itertools.accumulate(before[:pp - 1], initial=0.0))
+    per_device = [0.0] * pp
+    for stage, w in enumerate(work):
+        per_device[stage_device(schedule, stage, pp)] += w
+    # One micro-batch's chain through every stage, weights' gradients off it when deferred.
+    chain = sum(fwd_s) if zero_bubble else sum(work)
+    return max(chain, *(prefix[d] + num_micro_batches * per_device[d] for d in range(pp)))
 
 
 def simulate(schedule: str, fwd_s: list[float], bwd_s: list[float], num_micro_batches: int,
-             pp: int | None = None, timeline: bool = True) -> Simulation:
+             pp: int | None = None, timeline: bool = True,
+             weight_s: list[float] | None = None) -> Simulation:
     """Run the schedule on stages whose forward and backward take ``fwd_s[k]`` and ``bwd_s[k]``;
-    ``pp`` devices (default: one per stage) each run ``len(fwd_s) / pp`` stages. ``timeline``:
-    keep every action (for the picture), else only the figures."""
+    ``pp`` devices (default: one per stage) each run ``len(fwd_s) / pp`` stages. Under a
+    zero-bubble schedule ``weight_s[k]`` of the backward is the weights' gradient (default:
+    half). ``timeline``: keep every action (for the picture), else only the figures."""
     stages = len(fwd_s)
     pp = pp or stages
     structure = _structure(schedule, pp, num_micro_batches, stages // pp)
-    durations = {"F": fwd_s, "B": bwd_s}
+    weights = weight_s if weight_s is not None else [b / 2 for b in bwd_s]
+    durations = {"F": fwd_s, "B": bwd_s, "W": weights,
+                 "I": [b - w for b, w in zip(bwd_s, weights, strict=True)]}
     end = [0.0] * (len(structure.steps) + 1)  # end[-1]: "needs nothing", ready at 0
     free = [0.0] * pp
     for i, (kind, stage, _, device, first, second) in enumerate(structure.steps):
@@ -191,13 +244,29 @@ class _Structure:
     steps: tuple[tuple[str, int, int, int, int, int], ...]  # kind, stage, mb, device, needs
 
 
+# Actions are numbered (stage · M + micro-batch) · 3 + their kind's code: a full backward and
+# the input's gradient share one, since the stage before waits for either.
+_CODES = {"F": 0, "B": 1, "I": 1, "W": 2}
+
+
+def _needs(kind: str, stage: int, k: int, stages: int, m: int) -> tuple[int, int]:
+    """The numbers of the (at most two) actions an action waits for; -1: none. A forward waits
+    for the stage before's; a backward (or input gradient) for its own forward and the stage
+    after's backward; a weights' gradient for its own input gradient."""
+    own = (stage * m + k) * 3
+    if kind == "F":
+        return (-1 if stage == 0 else ((stage - 1) * m + k) * 3, -1)
+    if kind == "W":
+        return (own + 1, -1)
+    return (own, -1 if stage == stages - 1 else ((stage + 1) * m + k) * 3 + 1)
+
+
 @functools.lru_cache(maxsize=64)
 def _structure(schedule: str, pp: int, num_micro_batches: int, virtual: int) -> _Structure:
-    """Each device runs its order; a device blocked on an action not yet placed waits for it.
-    Actions are numbered (stage · M + micro-batch) · 2 + (1 for a backward)."""
+    """Each device runs its order; a device blocked on an action not yet placed waits for it."""
     orders = [action_order(schedule, d, pp, num_micro_batches, virtual) for d in range(pp)]
     stages, m = pp * virtual, num_micro_batches
-    placed = [-1] * (2 * stages * m)  # action number → its step, once placed
+    placed = [-1] * (3 * stages * m)  # action number → its step, once placed
     steps: list[tuple[str, int, int, int, int, int]] = []
     position = [0] * pp
     runnable = collections.deque(range(pp))
@@ -207,16 +276,12 @@ def _structure(schedule: str, pp: int, num_micro_batches: int, virtual: int) -> 
         order = orders[d]
         while position[d] < len(order):
             kind, s, k = order[position[d]]
-            if kind == "F":
-                first = -1 if s == 0 else ((s - 1) * m + k) * 2
-                second, number = -1, (s * m + k) * 2
-            else:
-                first = (s * m + k) * 2
-                second, number = (-1 if s == stages - 1 else ((s + 1) * m + k) * 2 + 1), first + 1
+            first, second = _needs(kind, s, k, stages, m)
             blocked = next((n for n in (first, second) if n >= 0 and placed[n] < 0), None)
             if blocked is not None:
                 waiting.setdefault(blocked, []).append(d)
                 break
+            number = (s * m + k) * 3 + _CODES[kind]
             placed[number] = len(steps)
             steps.append((kind, s, k, d, placed[first] if first >= 0 else -1,
                           placed[second] if second >= 0 else -1))

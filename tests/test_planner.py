@@ -113,6 +113,12 @@ def test_memory_that_does_not_fit_is_an_error_with_numbers(tmp_path: Path) -> No
      "--schedule interleaved needs 2 or more pipeline devices"),
     ({"gpus": 2, "batch_size": 12, "micro_batch": 4, "schedule": "interleaved"},
      "a multiple of 2 micro-batches per step"),
+    ({"gpus": 2, "schedule": "zbv", "recompute": "full"},
+     "zero-bubble schedules do not run with activation recomputation"),
+    ({"gpus": 2, "schedule": "zbv", "virtual_stages": 3}, r"\(zbv always runs 2\)"),
+    ({"gpus": 1, "schedule": "zbv"}, "--schedule zbv needs 2 or more pipeline devices"),
+    ({"gpus": 2, "batch_size": 12, "micro_batch": 4, "schedule": "interleaved-zb"},
+     "--schedule interleaved-zb needs .* a multiple of 2 micro-batches"),
 ])
 def test_bad_options(tmp_path: Path, options: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
@@ -354,3 +360,26 @@ def test_imbalanced_sample_splits_time_where_baselines_split_layers_or_weights(
     assert spread("pipec") < 2 < 10 < min(spread("uniform"), spread("parameters"))
     assert all(plans["pipec"].samples_per_s > 1.3 * plans[s].samples_per_s
                for s in ("uniform", "parameters"))
+
+
+def test_zero_bubble_plans_place_stages_and_count_memory_per_device(tmp_path: Path) -> None:
+    # ZB-V's V: device 0 holds the first and the last stage, and its memory is both stages'.
+    plan = compile_to(SAMPLES / "gpt.py", tmp_path / "zbv", gpus=2, batch_size=16,
+                      micro_batch=2, schedule="zbv")
+    assert [s.device for s in plan.stages] == [0, 1, 1, 0]
+    for d in range(2):
+        held = sum(s.memory_bytes for s in plan.stages if s.device == d)
+        assert held < plan.device_memory_bytes[d] <= held + 2 * 2**20  # + the runtime's own
+    assert not any(s.recompute for s in plan.stages)
+    data = json.loads((tmp_path / "zbv" / "plan.json").read_text())
+    assert data["schedule"] == "zbv" and data["virtual_stages"] == 2
+    assert [s["device"] for s in data["stages"]] == [0, 1, 1, 0]
+
+
+def test_the_search_weighs_the_zero_bubble_schedules(tmp_path: Path) -> None:
+    plan = compile_to(SAMPLES / "gpt.py", tmp_path / "auto", gpus=2, batch_size=16)
+    searched = {c.schedule for c in plan.candidates}
+    assert {"interleaved-zb", "zbv"} <= searched
+    without = compile_to(SAMPLES / "gpt.py", tmp_path / "full", gpus=2, batch_size=16,
+                         recompute="full")
+    assert not {"interleaved-zb", "zbv"} & {c.schedule for c in without.candidates}

@@ -40,22 +40,29 @@ def test_losses_equal_on_1_2_and_4_stages(sample: str, tmp_path: Path) -> None:
                            reference)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "interleaved-zb", "zbv"])
 def test_every_schedule_equals_one_process(schedule: str, tmp_path: Path) -> None:
+    # The zero-bubble schedules split each backward into the input's and the weights'
+    # gradients; ZB-V puts the last stage on device 0, beside the first.
     reference = train(SAMPLES / "gpt.py", tmp_path, "one", 1)
     plan = compile_to(SAMPLES / "gpt.py", tmp_path / schedule, gpus=2, batch_size=16,
-                      micro_batch=4, schedule=schedule)
+                      micro_batch=4, schedule=schedule, virtual_stages=2
+                      if schedule.startswith("interleaved") else None)
     assert plan.schedule == schedule
-    assert len(plan.stages) == (4 if schedule == "interleaved" else 2)
+    assert len(plan.stages) == (2 if schedule in ("gpipe", "1f1b") else 4)
+    assert [s.device for s in plan.stages][-1] == (0 if schedule == "zbv" else 1)
     assert_same_losses(run_forked(tmp_path / schedule, 2, "--steps", STEPS, "--seed", "3"),
                        reference)
 
 
-def test_interleaved_with_data_parallel_equals_one_process(tmp_path: Path) -> None:
-    # Two stages per device, each wrapped in DistributedDataParallel over its replicas.
+@pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
+def test_two_stages_per_device_with_data_parallel_equal_one_process(schedule: str,
+                                                                     tmp_path: Path) -> None:
+    # Two stages per device, each wrapped in DistributedDataParallel over its replicas (under
+    # ZB-V, DDP reduces once the last weights' gradient has run).
     reference = train(SAMPLES / "mlp.py", tmp_path, "one", 1)
     losses = train(SAMPLES / "mlp.py", tmp_path, "il", 4, pp=2, micro_batch=2,
-                   schedule="interleaved", virtual_stages=2)
+                   schedule=schedule, virtual_stages=2 if schedule == "interleaved" else None)
     assert_same_losses(losses, reference)
 
 
@@ -66,6 +73,17 @@ def test_parameters_shared_across_stages_train_like_one_process(model: str, gpus
                                                                 tmp_path: Path) -> None:
     reference = train(MODELS / f"{model}.py", tmp_path, "one", 1)
     assert_same_losses(train(MODELS / f"{model}.py", tmp_path, "split", gpus, pp=pp), reference)
+
+
+def test_tied_weights_on_one_device_of_a_v_train_like_one_process(tmp_path: Path) -> None:
+    # ZB-V puts the first stage (the embedding) and the last (the head that shares its weight)
+    # on device 0: one tensor, used twice on one rank, under a split backward.
+    reference = train(MODELS / "tied_gpt.py", tmp_path, "one", 1)
+    plan = compile_to(MODELS / "tied_gpt.py", tmp_path / "zbv", gpus=2, batch_size=16,
+                      schedule="zbv")
+    assert [s.device for s in plan.stages] == [0, 1, 1, 0]
+    assert_same_losses(run_forked(tmp_path / "zbv", 2, "--steps", STEPS, "--seed", "3"),
+                       reference)
 
 
 def test_group_norm_resnet_equal_on_1_and_4_stages(tmp_path: Path) -> None:

@@ -179,10 +179,28 @@ def test_a_rank_without_gradients_reduces_the_norm_on_its_own_device(
     """NCCL all-reduces CUDA tensors only: the norm of a rank whose stages have no gradients
     must be on the rank's device, not on the CPU. (Here the meta device stands for it.)"""
     compile_to(SAMPLES / "mlp.py", tmp_path / "o", gpus=1, batch_size=16)
-    train = emitted_train(tmp_path / "o")
+    gradients = emitted_train(tmp_path / "o").gradients
     reduced: list[torch.device] = []
-    monkeypatch.setattr(train, "dist", SimpleNamespace(
+    monkeypatch.setattr(gradients, "dist", SimpleNamespace(
         all_reduce=lambda tensor, group: reduced.append(tensor.device)))
     mesh = {"pp": SimpleNamespace(get_group=lambda: None)}
-    norm = train.clip_global_norm([torch.nn.Tanh()], 1.0, mesh, torch.device("meta"))
+    norm = gradients.clip_global_norm([torch.nn.Tanh()], 1.0, mesh, torch.device("meta"))
     assert reduced == [torch.device("meta")] and norm.device == torch.device("meta")
+
+
+def test_gradient_buckets_hold_each_gradient_once_within_the_limit(tmp_path: Path) -> None:
+    """The replicas' mean under a zero-bubble schedule goes out in buckets: every trained
+    parameter's gradient once (zeros where it got none; a parameter two local stages share
+    once), none over the limit unless a gradient alone is larger."""
+    compile_to(SAMPLES / "mlp.py", tmp_path / "o", gpus=1, batch_size=16)
+    gradients = emitted_train(tmp_path / "o").gradients
+    shared = torch.nn.Linear(8, 8)
+    big, frozen = torch.nn.Linear(64, 64), torch.nn.Linear(2, 2).requires_grad_(False)
+    modules = [torch.nn.Sequential(shared, big), torch.nn.Sequential(shared, frozen)]
+    shared.weight.grad = torch.ones(8, 8)
+    buckets = list(gradients.gradient_buckets(modules, limit=1024))
+    held = [g for bucket in buckets for g in bucket]
+    assert len(held) == 4  # shared weight and bias, big weight and bias; frozen: none
+    assert held[0] is shared.weight.grad and float(held[1].abs().sum()) == 0.0
+    assert all(sum(g.nbytes for g in b) <= 1024 or len(b) == 1 for b in buckets)
+    assert [len(b) for b in buckets] == [2, 1, 1]  # 256 + 32 bytes; 16 KiB alone; 256

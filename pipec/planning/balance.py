@@ -13,6 +13,7 @@ import numpy as np
 
 from pipec.partition import Problem, make_problem, solve
 from pipec.planning.costs import BoundaryKey, Costs, Placement, Point
+from pipec.schedule import ZERO_BUBBLE
 from pipec.stagememory import StageRole, ends_bytes, stage_memory, working_bytes
 
 Balance = Literal["time_within_memory", "time", "parameters", "uniform"]
@@ -45,7 +46,7 @@ def _cache_key(point: Point, roles: tuple[StageRole, ...], balance: Balance) -> 
     if balance != "uniform" and balance != "parameters":
         key += (point.micro_batch,)
     if balance == "time_within_memory":
-        key += (roles,)
+        key += (roles, point.schedule in ZERO_BUBBLE)  # the latter: recomputation allowed
     return key
 
 
@@ -54,7 +55,8 @@ def _place(costs: Costs, point: Point, roles: tuple[StageRole, ...], balance: Ba
     plain = (False,) * point.layout.stages
     if balance == "uniform":
         return uniform_boundaries(costs.legal, point.layout.stages), plain
-    if balance == "time_within_memory" and costs.request.recompute != "full":
+    if balance == "time_within_memory" and (costs.request.recompute != "full"
+                                            or point.schedule in ZERO_BUBBLE):
         fitting = _time_balance_if_it_fits(costs, point, roles)
         if fitting is not None:
             return fitting, plain
@@ -95,7 +97,8 @@ def _problem(costs: Costs, point: Point, roles: tuple[StageRole, ...], balance: 
         return make_problem(sc.time_s, arrays.static_bytes, arrays.activation_bytes, sc.cut_s,
                             costs.legal, unlimited, flights)
     enter, leave = zip(*(ends_bytes(arrays, role) for role in roles), strict=True)
-    mode = costs.request.recompute
+    # torch's zero-bubble schedules do not run with recomputation (layouts._schedules).
+    mode = "none" if point.schedule in ZERO_BUBBLE else costs.request.recompute
     return make_problem(sc.time_s, arrays.static_bytes, arrays.activation_bytes, sc.cut_s,
                         costs.legal, sc.stage_capacity(layout), flights, np.stack(enter),
                         np.stack(leave), working_bytes(arrays, roles[0]), arrays.gradient_bytes,

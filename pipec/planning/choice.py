@@ -1,7 +1,7 @@
-"""The choice under the model's error: a more complex plan (interleaving, more stages, a smaller
-micro-batch) must beat a simpler one by more than the time model's measured error to win, since
-a smaller predicted margin says nothing about which measures faster (docs/fidelity.md). The
-runner-up and its predicted margin are reported either way."""
+"""The choice under the model's error: a more complex plan (interleaving, a split backward, more
+stages, a smaller micro-batch) must beat a simpler one by more than the time model's measured
+error to win, since a smaller predicted margin says nothing about which measures faster
+(docs/fidelity.md). The runner-up and its predicted margin are reported either way."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pipec.planning.costs import Costs
 from pipec.planning.evaluate import Evaluated, rank
 from pipec.planning.values import Candidate, PlanRequest
+from pipec.schedule import ZERO_BUBBLE
 
 # The time model's relative error between two plans of one model, measured by
 # benchmarks/fidelity.py (docs/fidelity.md): over 51 plans of 9 models, each plan's measured ÷
@@ -60,11 +61,16 @@ def _same_plan(a: Evaluated, b: Evaluated) -> bool:
 
 
 def _simpler(a: Evaluated, b: Evaluated) -> bool:
-    """``a`` is simpler than ``b``: no more stages per device, no more pipeline devices, no
-    smaller micro-batch, and not the same in all three."""
-    keys_a = (a.layout.virtual, a.layout.pp, -a.micro_batch)
-    keys_b = (b.layout.virtual, b.layout.pp, -b.micro_batch)
+    """``a`` is simpler than ``b``: no more stages per device, no split backward (zero bubble)
+    where ``b`` has none, no more pipeline devices, no smaller micro-batch, and not the same in
+    all four."""
+    keys_a = _complexity(a)
+    keys_b = _complexity(b)
     return keys_a != keys_b and all(x <= y for x, y in zip(keys_a, keys_b, strict=True))
+
+
+def _complexity(e: Evaluated) -> tuple[int, int, int, int]:
+    return (e.layout.virtual, int(e.schedule in ZERO_BUBBLE), e.layout.pp, -e.micro_batch)
 
 
 def candidate(costs: Costs, e: Evaluated) -> Candidate:

@@ -20,19 +20,28 @@ from pipec.costmodel import (
 from pipec.hardware import Device
 from pipec.normalize import resolve_norm
 from pipec.planning.values import PlanRequest
+from pipec.schedule import stage_device
 
 
 @dataclass(frozen=True)
 class Layout:
-    """pp pipeline positions × dp replicas, v stages per position (interleaved)."""
+    """pp pipeline positions × dp replicas, v stages per position (interleaved), stage k on
+    position k mod pp (a loop) or, under ZB-V, in a V (pipec.zero_bubble)."""
 
     pp: int
     dp: int
     virtual: int = 1
+    v_shape: bool = False
 
     @property
     def stages(self) -> int:
         return self.pp * self.virtual
+
+    def position(self, stage: int) -> int:
+        return stage_device("zbv" if self.v_shape else "loop", stage, self.pp)
+
+    def stages_on(self, position: int) -> list[int]:
+        return [k for k in range(self.stages) if self.position(k) == position]
 
 
 @dataclass(frozen=True)
@@ -58,12 +67,15 @@ class StageCosts:
     # What every stage pays per micro-batch besides its nodes (calling it, starting autograd's
     # engine), forward and backward: the same for all stages, so the partition ignores it.
     overhead_s: tuple[float, float] = (0.0, 0.0)
+    # (stages, n): the part of bwd_s that makes the weights' gradient, which a zero-bubble
+    # schedule runs apart (None: half of each node's backward).
+    weight_s: np.ndarray | None = None
 
     def stage_capacity(self, layout: Layout) -> tuple[float, ...]:
         """Per stage, the bytes it may use: its device's, less the runtime's own, shared
         equally by the device's stages (interleaved)."""
-        return tuple((self.capacity[k % layout.pp] - self.runtime[k % layout.pp]) / layout.virtual
-                     for k in range(layout.stages))
+        return tuple((self.capacity[p] - self.runtime[p]) / layout.virtual
+                     for p in map(layout.position, range(layout.stages)))
 
 
 # What a boundary rule's answer depends on (balance.py builds it): the layout, the balance,
@@ -71,6 +83,16 @@ class StageCosts:
 BoundaryKey = tuple[object, ...]
 # A boundary rule's answer: the stage boundaries, and per stage whether it recomputes.
 Placement = tuple[tuple[int, ...], tuple[bool, ...]]
+
+
+def weight_shares(graph: CostGraph) -> np.ndarray:
+    """Per node, the share of its backward that makes its weights' gradient: a product's (a
+    Linear's, a convolution's) is one more product of the forward's size, so its forward's
+    FLOPs of the backward's (all of them where no gradient flows to its input); none where it
+    has no parameters."""
+    shares = [min(n.fwd_flops.at(1), n.bwd_flops.at(1)) / n.bwd_flops.at(1)
+              if n.params and n.bwd_flops.at(1) > 0 else 0.0 for n in graph.nodes]
+    return np.array(shares)
 
 
 class Costs:
@@ -81,6 +103,7 @@ class Costs:
         self.legal = np.array(graph.legal_cuts)
         self.max_stages = int(self.legal[1:-1].sum()) + 1
         self.params = np.array([n.params for n in graph.nodes], dtype=float)
+        self.weight_share = weight_shares(graph)
         self.param_bytes = np.array([n.param_bytes for n in graph.nodes], dtype=float)
         self._nodes: dict[tuple[Device, int], NodeArrays] = {}
         self._stages: dict[tuple[Layout, int], StageCosts] = {}
@@ -111,8 +134,8 @@ class Costs:
         positions = [self.devices(layout, p) for p in range(layout.pp)]
         slowest = [[np.max([getattr(self.nodes(d, micro_batch), field) for d in devices], axis=0)
                     for field in ("fwd_s", "bwd_s")] for devices in positions]
-        fwd = np.stack([slowest[k % layout.pp][0] for k in range(layout.stages)])
-        bwd = np.stack([slowest[k % layout.pp][1] for k in range(layout.stages)])
+        fwd = np.stack([slowest[layout.position(k)][0] for k in range(layout.stages)])
+        bwd = np.stack([slowest[layout.position(k)][1] for k in range(layout.stages)])
         if resolve_norm(self.request.norm, layout.pp, layout.dp) == "sync" and layout.dp > 1:
             sync_fwd, sync_bwd = self._synchronized_norm_s(layout, positions)
             fwd, bwd = fwd + sync_fwd, bwd + sync_bwd
@@ -125,7 +148,8 @@ class Costs:
         scale = calibration.contention if calibration else 1.0
         action = max(d.action_overhead_s for d in self.request.devices)
         overhead = (measured[0] * scale + action, measured[1] * scale + action)
-        return StageCosts(fwd + bwd, fwd, bwd, arrays, cut, capacity, runtime, overhead)
+        return StageCosts(fwd + bwd, fwd, bwd, arrays, cut, capacity, runtime, overhead,
+                          bwd * self.weight_share)
 
     def _synchronized_norm_s(self, layout: Layout, positions: list[list[Device]]
                              ) -> tuple[np.ndarray, np.ndarray]:
@@ -143,8 +167,12 @@ class Costs:
         return np.array(fwd), np.array(bwd)
 
     def _cut_s(self, layout: Layout, arrays: NodeArrays, stage: int) -> np.ndarray:
-        """Stage → stage + 1 over the slowest link between the two positions' devices."""
-        source, target = stage % layout.pp, (stage + 1) % layout.pp
+        """Stage → stage + 1 over the slowest link between the two positions' devices; nothing
+        where both sit on one device (ZB-V's turn: torch passes the tensor on in place)."""
+        source = layout.position(stage)
+        target = layout.position(min(stage + 1, layout.stages - 1))
+        if source == target and stage < layout.stages - 1:
+            return np.zeros(len(arrays.cut_bytes))
         link = min(self.devices(layout, source) + self.devices(layout, target),
                    key=lambda d: d.intra_node_bandwidth)
         per_node = self.request.gpus // self.request.nodes

@@ -17,6 +17,7 @@ from pipec.planning.costs import Costs, Layout, Point, StageCosts
 from pipec.schedule import (
     HOLDS_SENDS,
     SCHEDULES,
+    ZERO_BUBBLE,
     Simulation,
     in_flight,
     simulate,
@@ -82,7 +83,7 @@ def partition(costs: Costs, point: Point, balance: Balance, batch: int | None = 
     stages = tuple(stage_memory(sc.arrays, a, b, role, again)
                    for (a, b), role, again in zip(itertools.pairwise(bounds), roles, recompute,
                                                   strict=True))
-    memory = tuple(sum(m.total for m in stages[p::layout.pp]) + sc.runtime[p]
+    memory = tuple(sum(stages[k].total for k in layout.stages_on(p)) + sc.runtime[p]
                    for p in range(layout.pp))
     return Evaluated(point, bounds, sc, micro_batches, memory, stages, recompute)
 
@@ -119,11 +120,17 @@ def data_s(costs: Costs) -> float:
 
 def _optimizer_s(costs: Costs, e: Evaluated) -> float:
     spans = list(itertools.pairwise(e.boundaries))
-    pp, optimizer = e.layout.pp, costs.request.training.optimizer
-    return max(optimizer_s(sum(float(costs.param_bytes[a:b].sum()) for a, b in spans[p::pp]),
+    optimizer = costs.request.training.optimizer
+    return max(optimizer_s(sum(float(costs.param_bytes[a:b].sum())
+                               for a, b in _spans_on(e, spans, p)),
                            optimizer, min(costs.devices(e.layout, p),
                                           key=lambda d: d.memory_bandwidth))
-               for p in range(pp))
+               for p in range(e.layout.pp))
+
+
+def _spans_on(e: Evaluated, spans: list[tuple[int, int]], position: int
+              ) -> list[tuple[int, int]]:
+    return [spans[k] for k in e.layout.stages_on(position)]
 
 
 def timeline(e: Evaluated) -> Simulation:
@@ -134,7 +141,18 @@ def timeline(e: Evaluated) -> Simulation:
 
 def _simulate(e: Evaluated, timeline: bool) -> Simulation:
     fwd, bwd = stage_times(e)
-    return simulate(e.schedule, fwd, bwd, e.num_micro_batches, e.layout.pp, timeline)
+    weights = stage_weight_s(e) if e.schedule in ZERO_BUBBLE else None
+    if weights is not None:  # the weights' gradient is an action of its own
+        bwd = [b + e.stage_costs.overhead_s[1] for b in bwd]
+    return simulate(e.schedule, fwd, bwd, e.num_micro_batches, e.layout.pp, timeline, weights)
+
+
+def stage_weight_s(e: Evaluated) -> list[float]:
+    """Per stage, one micro-batch's weights' gradient, the action's own overhead included."""
+    sc = e.stage_costs
+    shares = sc.weight_s if sc.weight_s is not None else sc.bwd_s / 2
+    return [float(shares[k, a:b].sum()) + sc.overhead_s[1]
+            for k, (a, b) in enumerate(itertools.pairwise(e.boundaries))]
 
 
 def unlimited(costs: Costs, point: Point, balance: Balance,
@@ -154,7 +172,7 @@ def rank(e: Evaluated) -> tuple[float, float, int, int, int]:
 def stage_bound_s(costs: Costs, e: Evaluated) -> float:
     """A lower bound on the iteration time from the stage times, without simulating."""
     fwd, bwd = stage_times(e)
-    return (stage_lower_bound_s(fwd, bwd, e.num_micro_batches, e.layout.pp)
+    return (stage_lower_bound_s(fwd, bwd, e.num_micro_batches, e.layout.pp, e.schedule)
             + sum(step_terms(costs, e).values()))
 
 
@@ -185,8 +203,8 @@ def stage_bwd_s(sc: StageCosts, k: int, a: int, b: int, recompute: bool = False)
 def sync_s(costs: Costs, e: Evaluated) -> float:
     """The slowest position's gradient all-reduce (all positions run theirs at once)."""
     spans = list(itertools.pairwise(e.boundaries))
-    pp = e.layout.pp
-    return max(_allreduce_s(costs, e.layout, p, spans[p::pp]) for p in range(pp))
+    return max(_allreduce_s(costs, e.layout, p, _spans_on(e, spans, p))
+               for p in range(e.layout.pp))
 
 
 def _allreduce_s(costs: Costs, layout: Layout, position: int,

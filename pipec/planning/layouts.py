@@ -6,7 +6,7 @@ from __future__ import annotations
 from pipec.errors import ConfigError
 from pipec.planning.costs import Costs, Layout, Point
 from pipec.planning.values import PlanRequest
-from pipec.schedule import SCHEDULES, runs
+from pipec.schedule import SCHEDULES, ZERO_BUBBLE, runs
 
 # Interleaved 1F1B: the stages per device searched when --virtual-stages is not given.
 VIRTUAL_STAGES = (2, 3, 4)
@@ -65,7 +65,7 @@ def points(costs: Costs, layouts: list[Layout]) -> list[Point]:
         replica_batch = request.global_batch // dp
         for m in micro_batch_sizes(request, replica_batch):
             for schedule in _schedules(request):
-                found += [Point(Layout(pp, dp, v), m, schedule)
+                found += [Point(Layout(pp, dp, v, schedule == "zbv"), m, schedule)
                           for v in _virtual_stages(costs, schedule, pp)
                           if runs(schedule, pp, replica_batch // m, v)]
     if not found:
@@ -74,11 +74,15 @@ def points(costs: Costs, layouts: list[Layout]) -> list[Point]:
 
 
 def _no_schedule(request: PlanRequest, pp: int) -> ConfigError:
-    if request.schedule == "interleaved":
-        return ConfigError(f"--schedule interleaved needs 2 or more pipeline devices and a "
-                           f"multiple of {pp} micro-batches per step, with {pp} × "
+    if request.schedule in ("interleaved", "interleaved-zb"):
+        return ConfigError(f"--schedule {request.schedule} needs 2 or more pipeline devices and "
+                           f"a multiple of {pp} micro-batches per step, with {pp} × "
                            "--virtual-stages stages the model can be cut into; use a smaller "
                            "--micro-batch, another --pp or --schedule 1f1b")
+    if request.schedule == "zbv":
+        return ConfigError(f"--schedule zbv needs 2 or more pipeline devices and 2 × {pp} "
+                           "stages the model can be cut into; use another --pp or --schedule "
+                           "1f1b")
     return ConfigError(f"--schedule {request.schedule} needs at least {pp} micro-batches per "
                        f"step (one per stage); use a smaller --micro-batch or --schedule gpipe")
 
@@ -94,11 +98,18 @@ def micro_batch_sizes(request: PlanRequest, replica_batch: int) -> list[int]:
 
 
 def _schedules(request: PlanRequest) -> tuple[str, ...]:
-    return SCHEDULES if request.schedule == "auto" else (request.schedule,)
+    """The schedules searched: torch runs no zero-bubble schedule with recomputation (the
+    weights' gradient would need the activations recomputation dropped)."""
+    if request.schedule != "auto":
+        return (request.schedule,)
+    return tuple(s for s in SCHEDULES if request.recompute != "full" or s not in ZERO_BUBBLE)
 
 
 def _virtual_stages(costs: Costs, schedule: str, pp: int) -> tuple[int, ...]:
-    if schedule != "interleaved":
+    if schedule == "zbv":
+        fixed = costs.request.virtual_stages in (None, 2)
+        return (2,) if fixed and 2 * pp <= costs.max_stages else ()
+    if schedule not in ("interleaved", "interleaved-zb"):
         return (1,)
     options = ((costs.request.virtual_stages,) if costs.request.virtual_stages
                else VIRTUAL_STAGES)
