@@ -18,6 +18,7 @@ import jinja2
 
 from pipec import __version__
 from pipec.costmodel import usable_memory
+from pipec.hardware import action_s
 from pipec.loader import ModelSpec
 from pipec.normalize import NormPlan, to_group_norm_source
 from pipec.outdir import check_target, write_atomically
@@ -32,20 +33,15 @@ from pipec.report import (
     stage_table,
     timeline_svg,
 )
-from pipec.schedule import SCHEDULES, ZERO_BUBBLE
+from pipec.schedule import SCHEDULE_CLASSES, ZERO_BUBBLE
 from pipec.split import Boundary, Staged
 from pipec.trace import Traced
 from pipec.units import duration, gib, module_list
 
-SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
-                    "interleaved": "ScheduleInterleaved1F1B",
-                    "interleaved-zb": "ScheduleInterleavedZeroBubble",
-                    "zbv": "ScheduleZBVZeroBubble"}
 SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "interleaved 1F1B",
                   "interleaved-zb": "interleaved zero bubble (ZB-1P)",
                   "zbv": "zero bubble V (ZB-V)"}
 DEFAULT_LR = {"sgd": 0.01, "adamw": 0.001}
-assert set(SCHEDULE_CLASSES) == set(SCHEDULES)
 
 
 @dataclass(frozen=True)
@@ -112,7 +108,7 @@ def _context(spec: ModelSpec, traced: Traced, plan: Plan, norms: NormPlan,
         "predicted_bubble": f"{plan.idle_share:.1%}",
         "step_terms": ", ".join(f"{name.replace('_', '-')} {duration(seconds)}"
                                 for name, seconds in plan.step_terms.items()),
-        "time_source": _time_source(request) + _runtime_overhead(request),
+        "time_source": _time_source(request) + _runtime_overhead(request, plan.schedule),
         "run_commands": run_commands(plan), "norm_choice": norms.choice,
         "plan_id": identity,
     }
@@ -130,8 +126,8 @@ def _time_source(request: PlanRequest) -> str:
     return f"constants fitted by `pipec profile` ({calibration.device})"
 
 
-def _runtime_overhead(request: PlanRequest) -> str:
-    action = max(d.action_overhead_s for d in request.devices)
+def _runtime_overhead(request: PlanRequest, schedule: str) -> str:
+    action = action_s(request.devices, schedule)
     step = max(d.step_overhead_s for d in request.devices)
     if not (action or step):
         return "; the training runtime's own time is not measured for this hardware"

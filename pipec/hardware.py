@@ -6,6 +6,7 @@ import functools
 import json
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
+from typing import Any
 
 from pipec.errors import ConfigError
 from pipec.units import GIB, MIB
@@ -50,6 +51,12 @@ class Device:
     # measured for this device.
     action_overhead_s: float = 0.0
     step_overhead_s: float = 0.0
+    # Per schedule, the runtime's own time per action where measured apart (its sends and
+    # receives, its bookkeeping between actions), in place of action_overhead_s.
+    schedule_action_s: tuple[tuple[str, float], ...] = ()
+    # Seconds per autograd operation of a stage that a zero-bubble schedule's split backward
+    # adds (torch walks the stage's autograd graph in Python to split it).
+    split_backward_node_s: float = 0.0
     # Bus bandwidth of an all-reduce within a node, bytes/s (0: the intra-node link's).
     allreduce_bandwidth: float = 0.0
     # Host bytes per operation autograd records (its graph's node, the records and tensor
@@ -76,6 +83,12 @@ _CUBLAS_WORKSPACE = {True: 32 * MIB, False: (2 * 4096 + 8 * 16) * 1024}
 # and NCCL versions more than on the chip, so every GPU preset takes these figures.
 _GPU_PROCESS_BYTES = 1177 * MIB
 _GPU_FRAGMENTATION = 0.10
+
+
+def action_s(devices: tuple[Device, ...] | list[Device], schedule: str) -> float:
+    """The slowest device's runtime time per action under ``schedule``: measured for it apart
+    where it was (Device.schedule_action_s), else the device's figure for every schedule."""
+    return max(dict(d.schedule_action_s).get(schedule, d.action_overhead_s) for d in devices)
 
 
 @functools.cache
@@ -175,8 +188,12 @@ def _from_json(path: Path) -> Device:
     if device_type not in ("cuda", "cpu"):
         raise ConfigError(f"hardware file {path}: device_type {device_type!r}; use cuda or cpu")
     try:
-        numbers = {n: float(data[n]) for n in names
-                   if n not in ("name", "device_type") and n in data}
-    except (TypeError, ValueError) as exc:
+        # schedule_action_s: {"interleaved": seconds, ...}, the others numbers.
+        values: dict[str, Any] = {n: float(data[n]) for n in names
+                                  if n not in ("name", "device_type", "schedule_action_s")
+                                  and n in data}
+        values["schedule_action_s"] = tuple(sorted(
+            (str(k), float(v)) for k, v in data.get("schedule_action_s", {}).items()))
+    except (TypeError, ValueError, AttributeError) as exc:
         raise ConfigError(f"hardware file {path}: {exc}") from None
-    return Device(name=str(data["name"]), device_type=device_type, **numbers)
+    return Device(name=str(data["name"]), device_type=device_type, **values)

@@ -28,7 +28,8 @@ from pipec.calibrate import PROFILE_SIZES, load_calibration, profile_model, save
 from pipec.costmodel import Calibration
 from pipec.errors import ConfigError, PipecError
 from pipec.hardware import Device
-from pipec.probe import RuntimeFigures, probe_runtime
+from pipec.probe import SCHEDULE_MICRO_BATCHES, RuntimeFigures, probe_runtime
+from pipec.schedule import ZERO_BUBBLE, simulate
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +142,43 @@ def _with_runtime(device: Device, runtime: RuntimeFigures) -> Device:
                    intra_node_bandwidth=runtime.bandwidth,
                    allreduce_bandwidth=runtime.allreduce_bandwidth,
                    action_overhead_s=runtime.action_overhead_s,
-                   step_overhead_s=runtime.step_overhead_s)
+                   step_overhead_s=runtime.step_overhead_s,
+                   schedule_action_s=schedule_action_s(runtime),
+                   split_backward_node_s=runtime.split_backward_node_s)
+
+
+def schedule_action_s(runtime: RuntimeFigures) -> tuple[tuple[str, float], ...]:
+    """Per schedule, the runtime's time per action that makes the simulator reproduce the
+    measured step of the probe's 2-device pipeline (pipec.probe): each action that carries a
+    boundary also waits for the link, as the model charges it."""
+    link = runtime.latency_s + 16 / runtime.bandwidth  # a micro-batch of 4 fp32 values
+    return tuple((schedule, _fitted_action_s(schedule, step, link))
+                 for schedule, step in sorted(runtime.schedule_step_s.items()))
+
+
+def _fitted_action_s(schedule: str, step_s: float, link_s: float) -> float:
+    """The per-action time at which the simulated step equals ``step_s`` (bisection: the step
+    grows with it); 0 where the links alone explain the step."""
+    stages = 2 if schedule in ("gpipe", "1f1b") else 4
+    cuts = [link_s] * (stages - 1) + [0.0]
+
+    def simulated(action: float) -> float:
+        forward = [action + c for c in cuts]
+        if schedule not in ZERO_BUBBLE:
+            return simulate(schedule, forward, forward, SCHEDULE_MICRO_BATCHES, 2,
+                            timeline=False).iteration_s
+        # Its input's gradient and its weights' are two actions.
+        return simulate(schedule, forward, [2 * action + c for c in cuts],
+                        SCHEDULE_MICRO_BATCHES, 2, timeline=False,
+                        weight_s=[action] * stages).iteration_s
+
+    low, high = 0.0, step_s
+    if simulated(low) >= step_s:
+        return 0.0
+    for _ in range(40):
+        middle = (low + high) / 2
+        low, high = (middle, high) if simulated(middle) < step_s else (low, middle)
+    return low
 
 
 def training_threads(processes_per_node: int) -> int:

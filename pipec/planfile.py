@@ -9,6 +9,7 @@ from collections.abc import Iterable
 from dataclasses import asdict
 from typing import Any
 
+from pipec.hardware import action_s
 from pipec.normalize import NormPlan
 from pipec.planner import Plan
 from pipec.stagememory import StageMemory
@@ -40,7 +41,7 @@ def plan_dict(plan: Plan, norms: NormPlan, traced: Traced) -> dict[str, Any]:
             "bubble": plan.idle_share,  # of the whole step, all-reduce and runtime included
             "step_terms": plan.step_terms,  # seconds besides the schedule, by term
             "runtime_overhead_s": {
-                "per_action": max(d.action_overhead_s for d in request.devices),
+                "per_action": action_s(request.devices, plan.schedule),
                 "per_step": max(d.step_overhead_s for d in request.devices)},
             "peak_memory_bytes": list(plan.device_memory_bytes),
             "memory_terms": [{**_sum_terms(s.memory for s in plan.stages if s.device == d),

@@ -145,7 +145,8 @@ def _stage_plans(costs: Costs, e: Evaluated) -> tuple[StagePlan, ...]:
 def _stage_plan(costs: Costs, e: Evaluated, k: int, a: int, b: int) -> StagePlan:
     nodes = costs.graph.nodes[a:b]
     m, sc = e.micro_batch, e.stage_costs
-    fwd, bwd = stage_fwd_s(sc, k, a, b), stage_bwd_s(sc, k, a, b, e.recompute[k])
+    fwd = stage_fwd_s(sc, k, a, b, e.schedule)
+    bwd = stage_bwd_s(sc, k, a, b, e.recompute[k], e.schedule)
     compute = fwd + bwd
     return StagePlan(
         index=k, start=a, end=b, modules=_module_names([n.module for n in nodes]),

@@ -7,6 +7,13 @@ with as many processes as the training will run on this machine (pipec.measured 
 - **per action**: a two-stage torch.distributed.pipelining schedule of a 4-wide linear layer,
   its forward and backward calls timed, less the same layer's plain forward and backward: the
   runtime's own time per action;
+- **per action, by schedule**: the same layer as a 2-device pipeline under each schedule (two
+  stages per device where the schedule has more), whole steps timed: the schedule runtime's
+  sends, receives and bookkeeping between actions (pipec.measured fits them per action);
+- **split backward**: a 32-operation stack of linear layers, its backward run whole and split
+  as the zero-bubble schedules split it (torch's stage_backward_input and
+  stage_backward_weight, which walk the autograd graph in Python): the extra time per recorded
+  operation;
 - **all-reduce**: 4 MiB over every process, as bus bandwidth 2(d−1)/d · bytes / seconds;
 - **per step**: an all-reduce of one value (train.py's loss, every step).
 """
@@ -36,6 +43,7 @@ log = logging.getLogger(__name__)
 LINK_SIZES = (4, 64 * 1024, 1024 * 1024, 4 * 1024 * 1024)
 ALLREDUCE_BYTES = 4 * 1024 * 1024
 MICRO_BATCHES = 16
+SCHEDULE_MICRO_BATCHES = 8
 TIMEOUT_S = 120  # a worker that fails or is killed must not hang the compile
 
 
@@ -47,13 +55,16 @@ class RuntimeFigures:
     action_overhead_s: float
     allreduce_bandwidth: float  # bus bandwidth, bytes/s
     step_overhead_s: float
+    # Per schedule, a step of the 2-device pipeline of SCHEDULE_MICRO_BATCHES micro-batches.
+    schedule_step_s: dict[str, float]
+    split_backward_node_s: float  # what a split backward adds per autograd operation
 
 
 def probe_runtime(processes: int, threads: int) -> RuntimeFigures:
     """Fork ``processes`` workers with ``threads`` threads each and measure; one process
     measures only itself (no links, no contention)."""
     if processes < 2:
-        return RuntimeFigures(1, 0.0, 0.0, 0.0, 0.0, 0.0)
+        return RuntimeFigures(1, 0.0, 0.0, 0.0, 0.0, 0.0, {}, 0.0)
     context = mp.get_context("fork")
     results = context.Queue()
     port = _free_port()
@@ -90,8 +101,9 @@ def _worker(rank: int, world: int, port: int, threads: int, results: Any) -> Non
         dist.init_process_group("gloo", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=TIMEOUT_S))
         figures = {"links": _links(rank),
-                   "action": _action_overhead(rank), "allreduce": _allreduce_s(),
-                   "step": _step_s()}
+                   "action": _action_overhead(rank), "schedules": _schedule_steps(rank),
+                   "split": _split_backward_node_s(),
+                   "allreduce": _allreduce_s(), "step": _step_s()}
         dist.destroy_process_group()
         results.put((rank, figures))
     except Exception as exc:  # reported to the parent, which raises it
@@ -195,6 +207,69 @@ def _action_overhead(rank: int) -> float:
     return max(per_action - _plain_action_s(layer), 0.0)
 
 
+def _schedule_steps(rank: int) -> dict[str, float]:
+    """Per schedule, the median step of a 4-wide linear layer per stage on ranks 0 and 1
+    (others: empty), stages placed as the schedule places them."""
+    from pipec.schedule import SCHEDULES, stage_device
+
+    group = dist.new_group([0, 1])
+    if rank > 1:
+        return {}
+    return {schedule: _pipeline_step_s(schedule, rank, group, stage_device)
+            for schedule in SCHEDULES}
+
+
+def _pipeline_step_s(schedule: str, rank: int, group: Any,
+                     stage_device: Callable[[str, int, int], int]) -> float:
+    from torch.distributed import pipelining
+
+    from pipec.schedule import SCHEDULE_CLASSES
+
+    virtual = 1 if schedule in ("gpipe", "1f1b") else 2
+    indices = [k for k in range(2 * virtual) if stage_device(schedule, k, 2) == rank]
+    torch.manual_seed(0)
+    stages = [pipelining.PipelineStage(nn.Linear(4, 4), k, 2 * virtual, torch.device("cpu"),
+                                       group=group) for k in indices]
+    runner = getattr(pipelining, SCHEDULE_CLASSES[schedule])(
+        stages if virtual > 1 else stages[0], SCHEDULE_MICRO_BATCHES,
+        loss_fn=lambda out, target: out.sum())
+    inputs = torch.ones(SCHEDULE_MICRO_BATCHES, 4)
+    last = stage_device(schedule, 2 * virtual - 1, 2) == rank
+
+    def step() -> None:
+        dist.barrier(group=group)
+        runner.step(*((inputs,) if rank == 0 else ()), target=inputs if last else None)
+
+    return _median_s(step, 12)
+
+
+def _split_backward_node_s() -> float:
+    """Seconds per autograd operation that splitting a backward into the input's and the
+    weights' gradients adds (torch's own functions, as the zero-bubble schedules call them)."""
+    from torch.distributed.pipelining import _backward
+
+    from pipec.measure import autograd_nodes
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(layer for _ in range(16) for layer in (nn.Linear(16, 16), nn.ReLU())))
+
+    def backward(split: bool) -> Callable[[], None]:
+        def run() -> None:
+            x = torch.ones(8, 16, requires_grad=True)
+            out = model(x)
+            if split:
+                _, groups = _backward.stage_backward_input([out], [torch.ones_like(out)], [x],
+                                                           model.parameters())
+                _backward.stage_backward_weight(model.parameters(), groups)
+            else:
+                _backward.stage_backward([out], [torch.ones_like(out)], [x])
+        return run
+
+    extra = _median_s(backward(True), 20) - _median_s(backward(False), 20)
+    nodes = autograd_nodes(model(torch.ones(8, 16, requires_grad=True)))
+    return max(extra, 0.0) / nodes
+
+
 def _timed(method: Callable[..., Any], busy: list[float]) -> Callable[..., Any]:
     def call(*args: Any, **kwargs: Any) -> Any:
         started = time.perf_counter()
@@ -230,7 +305,10 @@ def _combine(processes: int, figures: list[dict[str, Any]]) -> RuntimeFigures:
     allreduce = max(f["allreduce"] for f in figures)
     bus = 2 * (processes - 1) / processes * ALLREDUCE_BYTES / allreduce
     return RuntimeFigures(processes, latency, bandwidth, action, bus,
-                          max(f["step"] for f in figures))
+                          max(f["step"] for f in figures),
+                          {s: max(figures[0]["schedules"][s], figures[1]["schedules"][s])
+                           for s in figures[0]["schedules"]},
+                          statistics.median(f["split"] for f in figures))
 
 
 def _fit_link(one_way: dict[int, float]) -> tuple[float, float]:

@@ -23,6 +23,11 @@ import numpy as np
 from pipec.zero_bubble import interleaved_zb_order, v_device, zbv_order
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "interleaved-zb", "zbv")
+# torch.distributed.pipelining's class for each.
+SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
+                    "interleaved": "ScheduleInterleaved1F1B",
+                    "interleaved-zb": "ScheduleInterleavedZeroBubble",
+                    "zbv": "ScheduleZBVZeroBubble"}
 # Schedules whose torch runtime (_PipelineScheduleRuntime) waits for its sends only at the end
 # of the step: the tensors sent stay alive until then (stagememory.StageRole.holds_sends).
 # ScheduleGPipe and Schedule1F1B wait for each send within the step.
@@ -136,14 +141,19 @@ def in_flight(schedule: str, pp: int, num_micro_batches: int, virtual: int = 1
 def _counted_in_flight(schedule: str, pp: int, num_micro_batches: int, virtual: int
                        ) -> tuple[int, ...]:
     """Counted over each device's order: a forward adds one, a full or a weights' backward
-    takes one away."""
-    held = [0] * (pp * virtual)
+    takes one away (vectorized per stage: M·v can be large)."""
     peaks = [0] * (pp * virtual)
     for device in range(pp):
-        for kind, stage, _ in action_order(schedule, device, pp, num_micro_batches, virtual):
-            held[stage] += {"F": 1, "B": -1, "W": -1}.get(kind, 0)
-            peaks[stage] = max(peaks[stage], held[stage])
+        order = action_order(schedule, device, pp, num_micro_batches, virtual)
+        stages = np.fromiter((stage for _, stage, _ in order), int, len(order))
+        change = np.fromiter((_HELD[kind] for kind, _, _ in order), int, len(order))
+        for stage in np.unique(stages):
+            peaks[stage] = int(np.cumsum(change[stages == stage]).max(initial=0))
     return tuple(peaks)
+
+
+# What an action does to the micro-batches a stage holds.
+_HELD = {"F": 1, "B": -1, "I": 0, "W": -1}
 
 
 @functools.lru_cache(maxsize=256)
@@ -167,20 +177,20 @@ def _interleaved_in_flight(pp: int, num_micro_batches: int, virtual: int) -> tup
 
 
 def lower_bound_s(work_s: float, pp: int, num_micro_batches: int, virtual: int = 1,
-                  schedule: str = "1f1b") -> float:
+                  schedule: str = "1f1b", chain_s: float = 0.0) -> float:
     """No partition of ``work_s`` (one micro-batch's forward + backward over all stages) runs
     faster under these schedules.
 
-    One micro-batch's forward and backward chain through every stage: at least ``work_s`` (not
-    under a zero-bubble schedule, whose weights' gradients leave the chain); some device does
-    1/pp of the M micro-batches' work. With one stage per device, stage s starts no
+    One micro-batch's forward and backward chain through every stage: at least ``work_s`` (under
+    a zero-bubble schedule ``chain_s``: the weights' gradients leave the chain); some device
+    does 1/pp of the M micro-batches' work. With one stage per device, stage s starts no
     earlier than the forwards of the stages before it and ends no earlier than their backwards
     after its own M: ``T ≥ P_s + M·t_s`` with P_s the work before s. The stage times that
     minimize the largest of these make them all equal: t_s = (T/M)(1 − 1/M)^s, so
     ``T ≥ W / (1 − (1 − 1/M)^pp)`` (on balanced stages the closed form is (M + pp − 1)·W/pp).
     """
-    if schedule in ZERO_BUBBLE:  # weights' gradients run off the chain: only the busiest device
-        return num_micro_batches * work_s / pp
+    if schedule in ZERO_BUBBLE:  # weights' gradients leave the chain: ``chain_s`` is the rest
+        return max(chain_s, num_micro_batches * work_s / pp)
     busiest = max(work_s, num_micro_batches * work_s / pp)
     if virtual > 1:
         return busiest

@@ -73,6 +73,7 @@ def test_several_processes_measure_the_training_runtime_too(tmp_path: Path, cach
     assert device.intra_node_latency_s == runtime["latency_s"]
     assert device.allreduce_bandwidth == runtime["allreduce_bandwidth"]
     assert device.action_overhead_s == runtime["action_overhead_s"]
+    assert dict(device.schedule_action_s).keys() == runtime["schedule_step_s"].keys()
     calibration = plan.request.calibration
     assert calibration is not None and calibration.contention >= 1.0
     assert "with 2 processes computing side by side" in calibration.source

@@ -383,3 +383,28 @@ def test_the_search_weighs_the_zero_bubble_schedules(tmp_path: Path) -> None:
     without = compile_to(SAMPLES / "gpt.py", tmp_path / "full", gpus=2, batch_size=16,
                          recompute="full")
     assert not {"interleaved-zb", "zbv"} & {c.schedule for c in without.candidates}
+
+
+def test_the_runtime_per_schedule_and_the_split_backward_are_charged(tmp_path: Path) -> None:
+    # A device file gives the runtime's time per action under zbv and what splitting a backward
+    # costs per autograd operation: the same zbv plan is predicted slower by each, and plan.json
+    # reports the plan's schedule's figure.
+    def device(name: str, extra: str) -> str:
+        path = tmp_path / f"{name}.json"
+        text = Path(_small_device(tmp_path, 1024)).read_text()
+        path.write_text(text[:-1] + ', "device_type": "cpu"' + extra + "}")
+        return str(path)
+
+    plain = device("plain", "")
+    per_action = device("per_action", ', "schedule_action_s": {"zbv": 0.001}')
+    split = device("split", ', "split_backward_node_s": 0.0001')
+    steps = {}
+    for name, hardware in (("plain", plain), ("per_action", per_action), ("split", split)):
+        plan = compile_to(SAMPLES / "gpt.py", tmp_path / name, gpus=2, batch_size=16,
+                          micro_batch=2, schedule="zbv", hardware=hardware)
+        steps[name] = plan.iteration_s
+    # 8 micro-batches × 2 stages × 3 actions per device, 1 ms each, at least.
+    assert steps["per_action"] >= steps["plain"] + 8 * 2 * 3 * 0.001 * 0.9
+    assert steps["split"] > steps["plain"]
+    data = json.loads((tmp_path / "per_action" / "plan.json").read_text())
+    assert data["predicted"]["runtime_overhead_s"]["per_action"] == 0.001

@@ -8,11 +8,19 @@ import os
 import pytest
 import torch
 
-from pipec.probe import RuntimeFigures, _fit_link, probe_runtime, side_by_side
+from pipec.measured import schedule_action_s
+from pipec.probe import (
+    SCHEDULE_MICRO_BATCHES,
+    RuntimeFigures,
+    _fit_link,
+    probe_runtime,
+    side_by_side,
+)
+from pipec.schedule import SCHEDULES, simulate
 
 
 def test_one_process_measures_nothing_it_cannot_use() -> None:
-    assert probe_runtime(1, 1) == RuntimeFigures(1, 0.0, 0.0, 0.0, 0.0, 0.0)
+    assert probe_runtime(1, 1) == RuntimeFigures(1, 0.0, 0.0, 0.0, 0.0, 0.0, {}, 0.0)
     assert side_by_side(lambda: None, 1) == 1.0
 
 
@@ -44,3 +52,29 @@ def test_four_processes_on_this_machine() -> None:
     assert figures.latency_s > 0 and figures.bandwidth > 1e7
     assert math.isfinite(figures.action_overhead_s) and figures.action_overhead_s >= 0
     assert figures.allreduce_bandwidth > 1e7 and figures.step_overhead_s > 0
+    # Every schedule's step of the probe's pipeline; the runtime schedules (torch's
+    # _PipelineScheduleRuntime, twice the stages) take longer than 1F1B's.
+    steps = figures.schedule_step_s
+    assert set(steps) == set(SCHEDULES) and all(s > 0 for s in steps.values())
+    assert min(steps["interleaved"], steps["zbv"]) > steps["1f1b"]
+    # Splitting a backward walks its autograd graph in Python: microseconds per operation.
+    assert 0 < figures.split_backward_node_s < 1e-3
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_the_per_action_fit_reproduces_the_measured_step(schedule: str) -> None:
+    link = 150e-6
+    runtime = RuntimeFigures(2, link, 1e30, 50e-6, 1e9, 1e-4, {schedule: 0.03}, 0.0)
+    ((name, action),) = schedule_action_s(runtime)
+    assert name == schedule and action > 0
+    stages = 2 if schedule in ("gpipe", "1f1b") else 4
+    cuts = [link] * (stages - 1) + [0.0]
+    forward = [action + c for c in cuts]
+    split = schedule in ("interleaved-zb", "zbv")
+    backward = [2 * action + c for c in cuts] if split else forward
+    step = simulate(schedule, forward, backward, SCHEDULE_MICRO_BATCHES, 2,
+                    weight_s=[action] * stages if split else None).iteration_s
+    assert step == pytest.approx(0.03, rel=1e-6)
+    # A step the links alone explain leaves nothing to the runtime.
+    assert schedule_action_s(RuntimeFigures(2, link, 1e30, 0.0, 1e9, 0.0, {schedule: 1e-6}, 0.0)) \
+        == ((schedule, 0.0),)

@@ -127,8 +127,9 @@ def test_lower_bounds_hold_under_zero_bubble(case: tuple) -> None:
     # The planner prunes candidates with these bounds: they must never exceed a simulated time.
     schedule, pp, micro_batches, forward, backward, weights = case
     result = simulate(schedule, forward, backward, micro_batches, pp, weight_s=weights)
+    chain = sum(forward) + sum(b - w for b, w in zip(backward, weights, strict=True))
     bound = lower_bound_s(sum(forward) + sum(backward), pp, micro_batches, len(forward) // pp,
-                          schedule)
+                          schedule, chain)
     assert bound <= result.iteration_s * (1 + 1e-9) + 1e-12
     bound = stage_lower_bound_s(forward, backward, micro_batches, pp, schedule)
     assert bound <= result.iteration_s * (1 + 1e-9) + 1e-12

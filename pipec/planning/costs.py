@@ -17,10 +17,10 @@ from pipec.costmodel import (
     spans_nodes,
     usable_memory,
 )
-from pipec.hardware import Device
+from pipec.hardware import Device, action_s
 from pipec.normalize import resolve_norm
 from pipec.planning.values import PlanRequest
-from pipec.schedule import stage_device
+from pipec.schedule import SCHEDULES, stage_device
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,17 @@ class StageCosts:
     # (stages, n): the part of bwd_s that makes the weights' gradient, which a zero-bubble
     # schedule runs apart (None: half of each node's backward).
     weight_s: np.ndarray | None = None
+    # The runtime's own time per action that overhead_s holds, and per schedule where it was
+    # measured apart (Device.schedule_action_s).
+    action_s: float = 0.0
+    schedule_action_s: tuple[tuple[str, float], ...] = ()
+    # (n,): what splitting a node's backward (zero bubble) adds: its autograd operations ×
+    # Device.split_backward_node_s (None: nothing).
+    split_s: np.ndarray | None = None
+
+    def extra_action_s(self, schedule: str) -> float:
+        """What an action of ``schedule`` costs the runtime beyond ``action_s``."""
+        return dict(self.schedule_action_s).get(schedule, self.action_s) - self.action_s
 
     def stage_capacity(self, layout: Layout) -> tuple[float, ...]:
         """Per stage, the bytes it may use: its device's, less the runtime's own, shared
@@ -104,6 +115,7 @@ class Costs:
         self.max_stages = int(self.legal[1:-1].sum()) + 1
         self.params = np.array([n.params for n in graph.nodes], dtype=float)
         self.weight_share = weight_shares(graph)
+        self.autograd_nodes = np.array([n.autograd_nodes for n in graph.nodes], dtype=float)
         self.param_bytes = np.array([n.param_bytes for n in graph.nodes], dtype=float)
         self._nodes: dict[tuple[Device, int], NodeArrays] = {}
         self._stages: dict[tuple[Layout, int], StageCosts] = {}
@@ -148,8 +160,14 @@ class Costs:
         scale = calibration.contention if calibration else 1.0
         action = max(d.action_overhead_s for d in self.request.devices)
         overhead = (measured[0] * scale + action, measured[1] * scale + action)
+        split = max(d.split_backward_node_s for d in self.request.devices) * self.autograd_nodes
         return StageCosts(fwd + bwd, fwd, bwd, arrays, cut, capacity, runtime, overhead,
-                          bwd * self.weight_share)
+                          bwd * self.weight_share, action, self._schedule_action_s(), split)
+
+    def _schedule_action_s(self) -> tuple[tuple[str, float], ...]:
+        """Per schedule, the slowest device's runtime time per action."""
+        return tuple((schedule, action_s(self.request.devices, schedule))
+                     for schedule in SCHEDULES)
 
     def _synchronized_norm_s(self, layout: Layout, positions: list[list[Device]]
                              ) -> tuple[np.ndarray, np.ndarray]:
@@ -189,4 +207,11 @@ class Costs:
         """One micro-batch's forward + backward, every node on the fastest device for it."""
         times = [self.nodes(d, micro_batch) for d in set(self.request.devices)]
         return float(np.min([a.fwd_s + a.bwd_s for a in times], axis=0).sum())
+
+    def fastest_chain_s(self, micro_batch: int) -> float:
+        """fastest_work_s without the weights' gradients: what a zero-bubble schedule's chain
+        of forwards and input gradients through every stage takes at least."""
+        times = [self.nodes(d, micro_batch) for d in set(self.request.devices)]
+        return float(np.min([a.fwd_s + a.bwd_s * (1 - self.weight_share) for a in times],
+                            axis=0).sum())
 

@@ -141,18 +141,31 @@ def timeline(e: Evaluated) -> Simulation:
 
 def _simulate(e: Evaluated, timeline: bool) -> Simulation:
     fwd, bwd = stage_times(e)
-    weights = stage_weight_s(e) if e.schedule in ZERO_BUBBLE else None
-    if weights is not None:  # the weights' gradient is an action of its own
-        bwd = [b + e.stage_costs.overhead_s[1] for b in bwd]
-    return simulate(e.schedule, fwd, bwd, e.num_micro_batches, e.layout.pp, timeline, weights)
+    if e.schedule not in ZERO_BUBBLE:
+        return simulate(e.schedule, fwd, bwd, e.num_micro_batches, e.layout.pp, timeline)
+    # The weights' gradient is an action of its own, and splitting costs both halves time.
+    sc, weights = e.stage_costs, stage_weight_s(e)
+    split = _split_s(e)
+    bwd = [b + sc.overhead_s[1] + sc.extra_action_s(e.schedule) + s
+           for b, s in zip(bwd, split, strict=True)]
+    return simulate(e.schedule, fwd, bwd, e.num_micro_batches, e.layout.pp, timeline,
+                    [w + s / 2 for w, s in zip(weights, split, strict=True)])
 
 
 def stage_weight_s(e: Evaluated) -> list[float]:
     """Per stage, one micro-batch's weights' gradient, the action's own overhead included."""
     sc = e.stage_costs
     shares = sc.weight_s if sc.weight_s is not None else sc.bwd_s / 2
-    return [float(shares[k, a:b].sum()) + sc.overhead_s[1]
+    return [float(shares[k, a:b].sum()) + sc.overhead_s[1] + sc.extra_action_s(e.schedule)
             for k, (a, b) in enumerate(itertools.pairwise(e.boundaries))]
+
+
+def _split_s(e: Evaluated) -> list[float]:
+    """Per stage, what splitting its backward adds per micro-batch (Device.split_backward_node_s
+    × its autograd operations), half to each of its two actions."""
+    split = e.stage_costs.split_s
+    return [0.0 if split is None else float(split[a:b].sum())
+            for a, b in itertools.pairwise(e.boundaries)]
 
 
 def unlimited(costs: Costs, point: Point, balance: Balance,
@@ -181,23 +194,25 @@ def stage_times(e: Evaluated) -> tuple[list[float], list[float]]:
     its forward again), each with half the boundary."""
     sc = e.stage_costs
     spans = list(itertools.pairwise(e.boundaries))
-    fwd = [stage_fwd_s(sc, k, a, b) + float(sc.cut_s[k, b]) / 2
+    fwd = [stage_fwd_s(sc, k, a, b, e.schedule) + float(sc.cut_s[k, b]) / 2
            for k, (a, b) in enumerate(spans)]
-    bwd = [stage_bwd_s(sc, k, a, b, e.recompute[k]) + float(sc.cut_s[k, b]) / 2
+    bwd = [stage_bwd_s(sc, k, a, b, e.recompute[k], e.schedule) + float(sc.cut_s[k, b]) / 2
            for k, (a, b) in enumerate(spans)]
     return fwd, bwd
 
 
-def stage_fwd_s(sc: StageCosts, k: int, a: int, b: int) -> float:
-    """Stage k's forward over nodes [a, b), one micro-batch, the stage's own overhead included."""
-    return float(sc.fwd_s[k, a:b].sum()) + sc.overhead_s[0]
+def stage_fwd_s(sc: StageCosts, k: int, a: int, b: int, schedule: str = "") -> float:
+    """Stage k's forward over nodes [a, b), one micro-batch, the stage's own overhead and the
+    runtime's per action under ``schedule`` included."""
+    return float(sc.fwd_s[k, a:b].sum()) + sc.overhead_s[0] + sc.extra_action_s(schedule)
 
 
-def stage_bwd_s(sc: StageCosts, k: int, a: int, b: int, recompute: bool = False) -> float:
+def stage_bwd_s(sc: StageCosts, k: int, a: int, b: int, recompute: bool = False,
+                schedule: str = "") -> float:
     """Stage k's backward over nodes [a, b), one micro-batch, the stage's own overhead included;
     when it ``recompute``s, with its nodes' forward again."""
     again = float(sc.fwd_s[k, a:b].sum()) if recompute else 0.0
-    return float(sc.bwd_s[k, a:b].sum()) + again + sc.overhead_s[1]
+    return float(sc.bwd_s[k, a:b].sum()) + again + sc.overhead_s[1] + sc.extra_action_s(schedule)
 
 
 def sync_s(costs: Costs, e: Evaluated) -> float:

@@ -10,6 +10,9 @@ from pipec.schedule import SCHEDULES, ZERO_BUBBLE, runs
 
 # Interleaved 1F1B: the stages per device searched when --virtual-stages is not given.
 VIRTUAL_STAGES = (2, 3, 4)
+# Interleaved zero bubble: the weights' gradients already fill the bubble at 2 stages per
+# device; more would add only sends and runtime actions.
+VIRTUAL_STAGES_ZERO_BUBBLE = (2,)
 
 
 def layouts_to_search(costs: Costs) -> list[Layout]:
@@ -112,5 +115,5 @@ def _virtual_stages(costs: Costs, schedule: str, pp: int) -> tuple[int, ...]:
     if schedule not in ("interleaved", "interleaved-zb"):
         return (1,)
     options = ((costs.request.virtual_stages,) if costs.request.virtual_stages
-               else VIRTUAL_STAGES)
+               else VIRTUAL_STAGES if schedule == "interleaved" else VIRTUAL_STAGES_ZERO_BUBBLE)
     return tuple(v for v in options if pp * v <= costs.max_stages)

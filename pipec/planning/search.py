@@ -77,4 +77,5 @@ def _lower_bound(costs: Costs, point: Point) -> float:
     fastest = min(allreduce_s(shard, layout.dp, d, inter) for d in set(costs.request.devices)
                   for inter in (False, True))
     return (lower_bound_s(costs.fastest_work_s(point.micro_batch), layout.pp, micro_batches,
-                          layout.virtual, point.schedule) + fastest)
+                          layout.virtual, point.schedule,
+                          costs.fastest_chain_s(point.micro_batch)) + fastest)
