@@ -101,7 +101,8 @@ def _check(request: PlanRequest) -> None:
                           f"use one of auto, {', '.join(SCHEDULES)}")
     if request.virtual_stages is not None and (
             request.virtual_stages < 2
-            or request.schedule not in ("auto", "interleaved", "interleaved-zb")):
+            or request.schedule not in ("auto", "interleaved", "interleaved-zb", "zbv")
+            or (request.schedule == "zbv" and request.virtual_stages != 2)):
         raise ConfigError(f"--virtual-stages {request.virtual_stages}: it sets the stages per "
                           "device of --schedule interleaved or interleaved-zb and must be 2 or "
                           "more (zbv always runs 2)")
