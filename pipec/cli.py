@@ -103,6 +103,10 @@ def _add_compile(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument("--recompute", choices=RECOMPUTE, default="auto",
                    help="activation recomputation per stage: auto (where a stage does not fit "
                    "otherwise), none, or full (every stage that may)")
+    p.add_argument("--mesh", choices=("auto", "dp,pp", "pp,dp"), default="auto",
+                   help="the device mesh, outer dimension first: dp,pp puts each replica's "
+                   "pipeline on neighbouring ranks, pp,dp each pipeline device's replicas "
+                   "(auto: searched where it matters, across nodes)")
     p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd", help="(sgd)")
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="(fp32)")
     p.add_argument("--calibration", type=Path, default=None,
@@ -220,7 +224,8 @@ def _run_compile(args: argparse.Namespace) -> int:
         model=args.model, out=args.out, gpus=args.gpus, nodes=args.nodes,
         batch_size=args.batch_size, hardware=args.hardware, pp=args.pp,
         micro_batch=args.micro_batch, schedule=args.schedule, norm=args.norm,
-        norm_groups=args.norm_groups, recompute=args.recompute, optimizer=args.optimizer,
+        norm_groups=args.norm_groups, recompute=args.recompute, mesh=args.mesh,
+        optimizer=args.optimizer,
         precision=args.precision,
         calibration=args.calibration, measure=args.measure, strategy=args.strategy,
         virtual_stages=args.virtual_stages, margin=args.margin, frontend=args.frontend,

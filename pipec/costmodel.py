@@ -246,17 +246,27 @@ def boundary_s(cut_bytes: np.ndarray, device: Device, inter_node: bool) -> np.nd
     return np.where(cut_bytes > 0, 2 * (latency + cut_bytes / bandwidth), 0.0)
 
 
+def rank_of(position: int, replica: int, pp: int, replicas: int,
+            replicas_inner: bool = False) -> int:
+    """The rank of pipeline ``position`` in ``replica``: positions innermost (rank = replica ·
+    pp + position, a replica's pipeline on neighbouring ranks) or replicas innermost (rank =
+    position · replicas + replica, a position's replicas on neighbouring ranks)."""
+    return position * replicas + replica if replicas_inner else replica * pp + position
+
+
 def crosses_nodes(source: int, target: int, pp: int, replicas: int,
-                  devices_per_node: int) -> bool:
-    """Whether pipeline position ``source`` → ``target`` crosses a node in some replica
-    (rank = replica · pp + position)."""
-    return any((r * pp + source) // devices_per_node != (r * pp + target) // devices_per_node
-               for r in range(replicas))
+                  devices_per_node: int, replicas_inner: bool = False) -> bool:
+    """Whether pipeline position ``source`` → ``target`` crosses a node in some replica."""
+    def node(position: int, replica: int) -> int:
+        return rank_of(position, replica, pp, replicas, replicas_inner) // devices_per_node
+    return any(node(source, r) != node(target, r) for r in range(replicas))
 
 
-def spans_nodes(position: int, pp: int, replicas: int, devices_per_node: int) -> bool:
+def spans_nodes(position: int, pp: int, replicas: int, devices_per_node: int,
+                replicas_inner: bool = False) -> bool:
     """Whether a position's data-parallel group has members on different nodes."""
-    return len({(r * pp + position) // devices_per_node for r in range(replicas)}) > 1
+    return len({rank_of(position, r, pp, replicas, replicas_inner) // devices_per_node
+                for r in range(replicas)}) > 1
 
 
 def static_ratio(training: Training) -> float:

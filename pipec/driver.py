@@ -37,6 +37,7 @@ class CompileOptions:
     norm: str = "auto"
     norm_groups: int | None = None
     recompute: str = "auto"
+    mesh: str = "auto"  # "auto", "dp,pp" or "pp,dp": outer dimension first
     optimizer: str = "sgd"
     precision: str = "fp32"
     calibration: Path | None = None
@@ -144,7 +145,7 @@ def _request(options: CompileOptions) -> PlanRequest:
         training=Training(options.optimizer, options.precision),
         calibration=load_calibration(options.calibration) if options.calibration else None,
         strategy=options.strategy, virtual_stages=options.virtual_stages, margin=options.margin,
-        norm=options.norm, recompute=options.recompute)
+        norm=options.norm, recompute=options.recompute, mesh=options.mesh)
 
 
 def _devices(options: CompileOptions) -> tuple[Device, ...]:

@@ -50,6 +50,8 @@ def plan_dict(plan: Plan, norms: NormPlan, traced: Traced) -> dict[str, Any]:
                              for d in range(plan.pp)],
         },
         "virtual_stages": plan.virtual_stages,
+        # The device mesh, outer dimension first: ranks r = outer index · inner size + inner.
+        "mesh": ["pp", "dp"] if plan.replicas_inner else ["dp", "pp"],
         "recompute": request.recompute,  # asked for; each stage's choice is under "stages"
         "decision": _decision(plan),
         "devices": [d.name for d in request.devices],
@@ -57,7 +59,7 @@ def plan_dict(plan: Plan, norms: NormPlan, traced: Traced) -> dict[str, Any]:
         "candidates": [{
             "micro_batch": c.micro_batch, "num_micro_batches": c.num_micro_batches,
             "schedule": c.schedule, "samples_per_s": c.samples_per_s, "pp": c.pp, "dp": c.dp,
-            "virtual_stages": c.virtual_stages,
+            "virtual_stages": c.virtual_stages, "replicas_inner": c.replicas_inner,
             "peak_memory_bytes": c.peak_memory_bytes, "feasible": c.feasible,
         } for c in plan.candidates],
         "baselines": [{

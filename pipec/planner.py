@@ -81,6 +81,7 @@ def plan(graph: CostGraph, request: PlanRequest) -> Plan:
         baselines=tuple(b.summary for b in compared),
         max_batch=max_batches(costs, searched, limit), max_batch_limit=limit,
         virtual_stages=chosen.layout.virtual, pruned=found.pruned,
+        replicas_inner=chosen.layout.replicas_inner,
         device_memory_bytes=chosen.memory, decision=decision,
         step_terms=step_terms(costs, chosen))
 
@@ -110,6 +111,9 @@ def _check(request: PlanRequest) -> None:
         raise ConfigError(f"--schedule {request.schedule} with --recompute full: torch's "
                           "zero-bubble schedules do not run with activation recomputation; use "
                           "--recompute auto (it then recomputes nothing) or --schedule 1f1b")
+    if request.mesh not in ("auto", "dp,pp", "pp,dp"):
+        raise ConfigError(f"--mesh {request.mesh!r}: use auto, dp,pp or pp,dp (outer dimension "
+                          "first)")
     if request.recompute not in RECOMPUTE:
         raise ConfigError(f"--recompute {request.recompute!r}: use one of {', '.join(RECOMPUTE)}"
                           " (selective recomputation is not supported yet)")

@@ -136,7 +136,7 @@ def test_boundaries_between_nodes_cost_the_inter_node_link(tmp_path: Path) -> No
 
 
 def test_crosses_nodes() -> None:
-    from pipec.costmodel import crosses_nodes, spans_nodes
+    from pipec.costmodel import crosses_nodes, rank_of, spans_nodes
 
     # 4 stages × 2 replicas on 2 nodes of 4: no boundary crosses; an interleaved wrap 3 → 0
     # stays on the node too, and each data-parallel group spans both nodes.
@@ -145,6 +145,30 @@ def test_crosses_nodes() -> None:
     # 8 stages on 2 nodes of 4: stage 3 → 4 crosses; the interleaved wrap 7 → 0 too.
     assert [crosses_nodes(s, s + 1, 8, 1, 4) for s in range(7)] == [s == 3 for s in range(7)]
     assert crosses_nodes(7, 0, 8, 1, 4) and not spans_nodes(0, 8, 1, 4)
+    # Replicas innermost (mesh pp,dp): 2 positions × 4 replicas on 2 nodes of 4 put position 0
+    # on node 0 and position 1 on node 1: the boundary crosses, each all-reduce stays.
+    assert [rank_of(1, r, 2, 4, True) for r in range(4)] == [4, 5, 6, 7]
+    assert crosses_nodes(0, 1, 2, 4, 4, True) and not spans_nodes(0, 2, 4, 4, True)
+    assert not crosses_nodes(0, 1, 2, 4, 4) and spans_nodes(0, 2, 4, 4)
+
+
+def test_the_mesh_order_is_searched_across_nodes_and_trains_like_one_process(
+        tmp_path: Path) -> None:
+    # 2 nodes of 4, pp 2 × dp 4: a replica's pipeline within a node (dp,pp) all-reduces across
+    # nodes; each pipeline device's replicas within a node (pp,dp) send activations across.
+    # The MLP sample's weights outweigh its activations, so pp,dp is faster.
+    plan = compile_to(SAMPLES / "mlp.py", tmp_path / "auto", gpus=8, nodes=2, batch_size=64,
+                      pp=2, micro_batch=4, schedule="1f1b", hardware="a100-80g")
+    both = {c.replicas_inner: c.samples_per_s for c in plan.candidates}
+    assert set(both) == {False, True} and both[True] > both[False]
+    assert plan.replicas_inner
+    data = json.loads((tmp_path / "auto" / "plan.json").read_text())
+    assert data["mesh"] == ["pp", "dp"]
+    fixed = compile_to(SAMPLES / "mlp.py", tmp_path / "fixed", gpus=8, nodes=2, batch_size=64,
+                       pp=2, micro_batch=4, schedule="1f1b", hardware="a100-80g", mesh="dp,pp")
+    assert not fixed.replicas_inner and {c.replicas_inner for c in fixed.candidates} == {False}
+    with pytest.raises(ConfigError, match="--mesh 'pp-dp'"):
+        compile_to(SAMPLES / "mlp.py", tmp_path / "bad", gpus=2, mesh="pp-dp")
 
 
 def test_candidates_that_do_not_fit_are_reported_not_chosen(tmp_path: Path) -> None:

@@ -75,6 +75,18 @@ def test_parameters_shared_across_stages_train_like_one_process(model: str, gpus
     assert_same_losses(train(MODELS / f"{model}.py", tmp_path, "split", gpus, pp=pp), reference)
 
 
+def test_the_pp_dp_mesh_trains_like_one_process(tmp_path: Path) -> None:
+    # Mesh pp,dp: rank r is replica r % 2 of pipeline device r // 2. The tied embedding and head
+    # sit on devices 0 and 1 of each replica, so their gradient groups are ranks {0, 2} and
+    # {1, 3}; each device's replicas all-reduce over {0, 1} and {2, 3}.
+    reference = train(MODELS / "tied_gpt.py", tmp_path, "one", 1)
+    plan = compile_to(MODELS / "tied_gpt.py", tmp_path / "ppdp", gpus=4, pp=2, batch_size=16,
+                      mesh="pp,dp")
+    assert plan.replicas_inner
+    assert_same_losses(run_forked(tmp_path / "ppdp", 4, "--steps", STEPS, "--seed", "3"),
+                       reference)
+
+
 def test_tied_weights_on_one_device_of_a_v_train_like_one_process(tmp_path: Path) -> None:
     # ZB-V puts the first stage (the embedding) and the last (the head that shares its weight)
     # on device 0: one tensor, used twice on one rank, under a split backward.

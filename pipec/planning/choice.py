@@ -77,4 +77,4 @@ def candidate(costs: Costs, e: Evaluated) -> Candidate:
     layout = e.layout
     return Candidate(e.micro_batch, e.num_micro_batches, e.schedule,
                      costs.request.global_batch / e.iteration_s, max(e.memory), e.fits(),
-                     layout.pp, layout.dp, layout.virtual)
+                     layout.pp, layout.dp, layout.virtual, layout.replicas_inner)

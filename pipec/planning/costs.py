@@ -14,6 +14,7 @@ from pipec.costmodel import (
     boundary_s,
     crosses_nodes,
     node_arrays,
+    rank_of,
     spans_nodes,
     usable_memory,
 )
@@ -32,6 +33,9 @@ class Layout:
     dp: int
     virtual: int = 1
     v_shape: bool = False
+    # Ranks: a replica's positions on neighbouring ranks (False), or a position's replicas
+    # (True: data parallelism within a node, the pipeline across nodes).
+    replicas_inner: bool = False
 
     @property
     def stages(self) -> int:
@@ -132,7 +136,8 @@ class Costs:
 
     def devices(self, layout: Layout, position: int) -> list[Device]:
         """The distinct devices that run a pipeline position, one per replica."""
-        ranks = [r * layout.pp + position for r in range(layout.dp)]
+        ranks = [rank_of(position, r, layout.pp, layout.dp, layout.replicas_inner)
+                 for r in range(layout.dp)]
         return list(dict.fromkeys(self.request.devices[r] for r in ranks))
 
     def stages(self, layout: Layout, micro_batch: int) -> StageCosts:
@@ -178,7 +183,7 @@ class Costs:
         device = min((d for devices in positions for d in devices),
                      key=allreduce_bandwidth)
         per_node = self.request.gpus // self.request.nodes
-        spans = spans_nodes(0, layout.pp, layout.dp, per_node)
+        spans = spans_nodes(0, layout.pp, layout.dp, per_node, layout.replicas_inner)
         fwd = [allreduce_s((2 * c + 1) * 4, layout.dp, device, spans) if c else 0.0
                for c in channels]
         bwd = [allreduce_s(2 * c * 4, layout.dp, device, spans) if c else 0.0 for c in channels]
@@ -195,7 +200,8 @@ class Costs:
                    key=lambda d: d.intra_node_bandwidth)
         per_node = self.request.gpus // self.request.nodes
         return boundary_s(arrays.cut_bytes, link,
-                          crosses_nodes(source, target, layout.pp, layout.dp, per_node))
+                          crosses_nodes(source, target, layout.pp, layout.dp, per_node,
+                                        layout.replicas_inner))
 
     def unrecomputable(self, layout: Layout) -> np.ndarray:
         """Per node, 1 where a stage must not recompute it: a BatchNorm that the layout keeps

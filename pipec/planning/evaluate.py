@@ -228,4 +228,5 @@ def _allreduce_s(costs: Costs, layout: Layout, position: int,
     link = min(costs.devices(layout, position), key=allreduce_bandwidth)
     per_node = costs.request.gpus // costs.request.nodes
     return allreduce_s(grad_bytes, layout.dp, link,
-                       spans_nodes(position, layout.pp, layout.dp, per_node))
+                       spans_nodes(position, layout.pp, layout.dp, per_node,
+                                   layout.replicas_inner))

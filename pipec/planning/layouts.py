@@ -56,7 +56,7 @@ def conventional_layout(costs: Costs) -> Layout:
     pp = request.pp or max(p for p in range(1, min(request.gpus, costs.max_stages) + 1)
                            if request.gpus % p == 0
                            and request.global_batch % (request.gpus // p) == 0)
-    return Layout(pp, request.gpus // pp)
+    return Layout(pp, request.gpus // pp, replicas_inner=request.mesh == "pp,dp")
 
 
 def points(costs: Costs, layouts: list[Layout]) -> list[Point]:
@@ -68,8 +68,9 @@ def points(costs: Costs, layouts: list[Layout]) -> list[Point]:
         replica_batch = request.global_batch // dp
         for m in micro_batch_sizes(request, replica_batch):
             for schedule in _schedules(request):
-                found += [Point(Layout(pp, dp, v, schedule == "zbv"), m, schedule)
+                found += [Point(Layout(pp, dp, v, schedule == "zbv", inner), m, schedule)
                           for v in _virtual_stages(costs, schedule, pp)
+                          for inner in _rank_orders(request, layout)
                           if runs(schedule, pp, replica_batch // m, v)]
     if not found:
         raise _no_schedule(request, layouts[-1].pp)
@@ -98,6 +99,15 @@ def micro_batch_sizes(request: PlanRequest, replica_batch: int) -> list[int]:
         raise ConfigError(f"--micro-batch {request.micro_batch} does not divide the per-replica "
                           f"batch {replica_batch}; pick a divisor of {replica_batch}")
     return [request.micro_batch]
+
+
+def _rank_orders(request: PlanRequest, layout: Layout) -> tuple[bool, ...]:
+    """Whether a position's replicas sit on neighbouring ranks (True) or a replica's positions
+    (False): which links the pipeline and the all-reduce use differs only across nodes."""
+    if request.mesh != "auto":
+        return (request.mesh == "pp,dp",)
+    both = request.nodes > 1 and layout.pp > 1 and layout.dp > 1
+    return (False, True) if both else (False,)
 
 
 def _schedules(request: PlanRequest) -> tuple[str, ...]:

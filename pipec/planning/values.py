@@ -33,6 +33,7 @@ class PlanRequest:
     margin: float | None = None
     norm: str = "auto"  # --norm: a synchronized BatchNorm costs an all-reduce per layer
     recompute: str = "auto"  # --recompute: auto (where a stage must), none or full
+    mesh: str = "auto"  # --mesh: "dp,pp" (a replica's pipeline innermost), "pp,dp", or searched
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,6 +70,7 @@ class Candidate:
     pp: int
     dp: int
     virtual_stages: int = 1
+    replicas_inner: bool = False  # a position's replicas on neighbouring ranks
 
 
 @dataclass(frozen=True)
@@ -122,3 +124,5 @@ class Plan:
     decision: Decision | None = None  # pipec's choice and its runner-up; None under --strategy
     # Seconds a step takes besides its schedule, by term (all_reduce, optimizer, data, runtime).
     step_terms: dict[str, float] = field(default_factory=dict)
+    # Ranks: a position's replicas on neighbouring ranks (True) or a replica's positions.
+    replicas_inner: bool = False
