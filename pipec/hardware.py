@@ -192,8 +192,9 @@ def _from_json(path: Path) -> Device:
         values: dict[str, Any] = {n: float(data[n]) for n in names
                                   if n not in ("name", "device_type", "schedule_action_s")
                                   and n in data}
-        values["schedule_action_s"] = tuple(sorted(
-            (str(k), float(v)) for k, v in data.get("schedule_action_s", {}).items()))
-    except (TypeError, ValueError, AttributeError) as exc:
+        per_schedule = data.get("schedule_action_s", {})  # a mapping, or pairs (asdict)
+        pairs = per_schedule.items() if isinstance(per_schedule, dict) else per_schedule
+        values["schedule_action_s"] = tuple(sorted((str(k), float(v)) for k, v in pairs))
+    except (TypeError, ValueError) as exc:
         raise ConfigError(f"hardware file {path}: {exc}") from None
     return Device(name=str(data["name"]), device_type=device_type, **values)

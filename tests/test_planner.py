@@ -432,3 +432,21 @@ def test_the_runtime_per_schedule_and_the_split_backward_are_charged(tmp_path: P
     assert steps["split"] > steps["plain"]
     data = json.loads((tmp_path / "per_action" / "plan.json").read_text())
     assert data["predicted"]["runtime_overhead_s"]["per_action"] == 0.001
+
+
+def test_a_device_written_with_asdict_loads_back(tmp_path: Path) -> None:
+    # Benchmarks write hardware files from a preset's asdict: its per-schedule times are pairs.
+    from dataclasses import asdict, replace
+
+    from pipec.hardware import PRESETS, load_hardware
+
+    device = replace(PRESETS["cpu"], name="probe", schedule_action_s=(("1f1b", 3e-4),),
+                     split_backward_node_s=2e-5)
+    path = tmp_path / "device.json"
+    path.write_text(json.dumps(asdict(device)))
+    assert load_hardware(str(path)) == device
+    path.write_text(json.dumps({**asdict(device), "schedule_action_s": {"1f1b": 3e-4}}))
+    assert load_hardware(str(path)) == device
+    path.write_text(json.dumps({**asdict(device), "schedule_action_s": [["1f1b"]]}))
+    with pytest.raises(ConfigError, match="hardware file"):
+        load_hardware(str(path))
