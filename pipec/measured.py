@@ -29,7 +29,7 @@ from pipec.costmodel import Calibration
 from pipec.errors import ConfigError, PipecError
 from pipec.hardware import Device
 from pipec.probe import SCHEDULE_MICRO_BATCHES, RuntimeFigures, probe_runtime
-from pipec.schedule import ZERO_BUBBLE, simulate
+from pipec.schedule import ZERO_BUBBLE, simulate, stage_device
 
 log = logging.getLogger(__name__)
 
@@ -156,11 +156,18 @@ def schedule_action_s(runtime: RuntimeFigures) -> tuple[tuple[str, float], ...]:
                  for schedule, step in sorted(runtime.schedule_step_s.items()))
 
 
+def probe_cuts(schedule: str, stages: int, link_s: float) -> list[float]:
+    """Per stage of the probe's pipeline, the link its output crosses: none after the last,
+    nor where the next stage sits on the same device (ZB-V's turn), as Costs charges them."""
+    return [link_s if k < stages - 1 and stage_device(schedule, k, 2)
+            != stage_device(schedule, k + 1, 2) else 0.0 for k in range(stages)]
+
+
 def _fitted_action_s(schedule: str, step_s: float, link_s: float) -> float:
     """The per-action time at which the simulated step equals ``step_s`` (bisection: the step
     grows with it); 0 where the links alone explain the step."""
     stages = 2 if schedule in ("gpipe", "1f1b") else 4
-    cuts = [link_s] * (stages - 1) + [0.0]
+    cuts = probe_cuts(schedule, stages, link_s)
 
     def simulated(action: float) -> float:
         forward = [action + c for c in cuts]

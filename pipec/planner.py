@@ -23,6 +23,7 @@ from pipec.planning.choice import Decision, decision_margin
 from pipec.planning.costs import Costs, Layout, Point
 from pipec.planning.evaluate import (
     Evaluated,
+    split_backward_s,
     stage_bwd_s,
     stage_fwd_s,
     step_terms,
@@ -65,10 +66,10 @@ def plan(graph: CostGraph, request: PlanRequest) -> Plan:
     found = search(costs, points(costs, layouts), decision_margin(request))
     if found.best is None:
         raise _infeasible(costs, layouts[-1])
-    searched = Layout(found.best.layout.pp, found.best.layout.dp)
+    searched = _pp_dp(found.best.layout)
     compared = baselines(costs, searched)
     chosen, decision = adopt(costs, found.near, compared)
-    emitted = Layout(chosen.layout.pp, chosen.layout.dp)
+    emitted = _pp_dp(chosen.layout)
     if emitted != searched:  # a simpler plan was kept: report the baselines on its layout
         searched, compared = emitted, baselines(costs, emitted)
     limit = MAX_BATCH_FACTOR * request.global_batch
@@ -84,6 +85,12 @@ def plan(graph: CostGraph, request: PlanRequest) -> Plan:
         replicas_inner=chosen.layout.replicas_inner,
         device_memory_bytes=chosen.memory, decision=decision,
         step_terms=step_terms(costs, chosen))
+
+
+def _pp_dp(layout: Layout) -> Layout:
+    """The pp × dp split and rank order of ``layout``, without its schedule's stages per
+    device: where the baselines are tried."""
+    return Layout(layout.pp, layout.dp, replicas_inner=layout.replicas_inner)
 
 
 def check(graph: CostGraph, request: PlanRequest) -> None:
@@ -143,15 +150,19 @@ def _infeasible(costs: Costs, layout: Layout) -> InfeasibleError:
 
 
 def _stage_plans(costs: Costs, e: Evaluated) -> tuple[StagePlan, ...]:
-    return tuple(_stage_plan(costs, e, k, a, b)
+    split = split_backward_s(e)
+    return tuple(_stage_plan(costs, e, k, a, b, split[k])
                  for k, (a, b) in enumerate(itertools.pairwise(e.boundaries)))
 
 
-def _stage_plan(costs: Costs, e: Evaluated, k: int, a: int, b: int) -> StagePlan:
+def _stage_plan(costs: Costs, e: Evaluated, k: int, a: int, b: int, split_s: float
+                ) -> StagePlan:
     nodes = costs.graph.nodes[a:b]
     m, sc = e.micro_batch, e.stage_costs
-    fwd = stage_fwd_s(sc, k, a, b, e.schedule)
-    bwd = stage_bwd_s(sc, k, a, b, e.recompute[k], e.schedule)
+    # What the stage's calls take, as train.py --metrics times them: the runtime's time between
+    # actions (StageCosts.extra_action_s) is the schedule's. A zero-bubble backward is two calls.
+    fwd = stage_fwd_s(sc, k, a, b)
+    bwd = stage_bwd_s(sc, k, a, b, e.recompute[k]) + split_s
     compute = fwd + bwd
     return StagePlan(
         index=k, start=a, end=b, modules=_module_names([n.module for n in nodes]),

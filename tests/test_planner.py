@@ -167,6 +167,12 @@ def test_the_mesh_order_is_searched_across_nodes_and_trains_like_one_process(
     fixed = compile_to(SAMPLES / "mlp.py", tmp_path / "fixed", gpus=8, nodes=2, batch_size=64,
                        pp=2, micro_batch=4, schedule="1f1b", hardware="a100-80g", mesh="dp,pp")
     assert not fixed.replicas_inner and {c.replicas_inner for c in fixed.candidates} == {False}
+    # A baseline's plan keeps the rank order asked for, and is costed with its links.
+    uniform = compile_to(SAMPLES / "mlp.py", tmp_path / "uniform", gpus=8, nodes=2,
+                         batch_size=64, pp=2, micro_batch=4, schedule="1f1b",
+                         hardware="a100-80g", mesh="pp,dp", strategy="uniform")
+    assert uniform.replicas_inner
+    assert json.loads((tmp_path / "uniform" / "plan.json").read_text())["mesh"] == ["pp", "dp"]
     with pytest.raises(ConfigError, match="--mesh 'pp-dp'"):
         compile_to(SAMPLES / "mlp.py", tmp_path / "bad", gpus=2, mesh="pp-dp")
 
@@ -422,16 +428,22 @@ def test_the_runtime_per_schedule_and_the_split_backward_are_charged(tmp_path: P
     plain = device("plain", "")
     per_action = device("per_action", ', "schedule_action_s": {"zbv": 0.001}')
     split = device("split", ', "split_backward_node_s": 0.0001')
-    steps = {}
+    steps, stages = {}, {}
     for name, hardware in (("plain", plain), ("per_action", per_action), ("split", split)):
         plan = compile_to(SAMPLES / "gpt.py", tmp_path / name, gpus=2, batch_size=16,
                           micro_batch=2, schedule="zbv", hardware=hardware)
-        steps[name] = plan.iteration_s
+        steps[name], stages[name] = plan.iteration_s, plan.stages
     # 8 micro-batches × 2 stages × 3 actions per device, 1 ms each, at least.
     assert steps["per_action"] >= steps["plain"] + 8 * 2 * 3 * 0.001 * 0.9
     assert steps["split"] > steps["plain"]
     data = json.loads((tmp_path / "per_action" / "plan.json").read_text())
     assert data["predicted"]["runtime_overhead_s"]["per_action"] == 0.001
+    # A stage's times are its calls' (as train.py --metrics times them): the runtime's time
+    # between actions is the schedule's, the split is the backward calls'.
+    assert [(a.fwd_s, a.bwd_s) for a in stages["per_action"]] == \
+        [(a.fwd_s, a.bwd_s) for a in stages["plain"]]
+    assert all(a.bwd_s > b.bwd_s and a.fwd_s == b.fwd_s
+               for a, b in zip(stages["split"], stages["plain"], strict=True))
 
 
 def test_a_device_written_with_asdict_loads_back(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from pipec.measured import schedule_action_s
+from pipec.measured import probe_cuts, schedule_action_s
 from pipec.probe import (
     SCHEDULE_MICRO_BATCHES,
     RuntimeFigures,
@@ -68,7 +68,8 @@ def test_the_per_action_fit_reproduces_the_measured_step(schedule: str) -> None:
     ((name, action),) = schedule_action_s(runtime)
     assert name == schedule and action > 0
     stages = 2 if schedule in ("gpipe", "1f1b") else 4
-    cuts = [link] * (stages - 1) + [0.0]
+    cuts = probe_cuts(schedule, stages, link)
+    assert cuts.count(link) == (2 if schedule == "zbv" else stages - 1)  # ZB-V turns in place
     forward = [action + c for c in cuts]
     split = schedule in ("interleaved-zb", "zbv")
     backward = [2 * action + c for c in cuts] if split else forward

@@ -144,12 +144,19 @@ def _simulate(e: Evaluated, timeline: bool) -> Simulation:
     if e.schedule not in ZERO_BUBBLE:
         return simulate(e.schedule, fwd, bwd, e.num_micro_batches, e.layout.pp, timeline)
     # The weights' gradient is an action of its own, and splitting costs both halves time.
-    sc, weights = e.stage_costs, stage_weight_s(e)
-    split = _split_s(e)
-    bwd = [b + sc.overhead_s[1] + sc.extra_action_s(e.schedule) + s
-           for b, s in zip(bwd, split, strict=True)]
-    return simulate(e.schedule, fwd, bwd, e.num_micro_batches, e.layout.pp, timeline,
-                    [w + s / 2 for w, s in zip(weights, split, strict=True)])
+    between = e.stage_costs.extra_action_s(e.schedule)  # the weights' action's, beyond its call
+    bwd = [b + extra + between for b, extra in zip(bwd, split_backward_s(e), strict=True)]
+    weights = [w + s / 2 for w, s in zip(stage_weight_s(e), _split_s(e), strict=True)]
+    return simulate(e.schedule, fwd, bwd, e.num_micro_batches, e.layout.pp, timeline, weights)
+
+
+def split_backward_s(e: Evaluated) -> list[float]:
+    """Per stage, what a zero-bubble schedule's backward calls take beyond stage_bwd_s: the
+    weights' gradient's own call and the split (0 under the other schedules). The runtime's
+    time between actions is the schedule's, not the calls'."""
+    if e.schedule not in ZERO_BUBBLE:
+        return [0.0] * e.layout.stages
+    return [e.stage_costs.overhead_s[1] + s for s in _split_s(e)]
 
 
 def stage_weight_s(e: Evaluated) -> list[float]:
