@@ -38,6 +38,7 @@ class KernelRuns:
     position: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=int))
     previous: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=int))
     bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    call: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=int))  # equal: one kernel
 
     @classmethod
     def of(cls, position: list[int], call: list[object], nbytes: list[float]) -> KernelRuns:
@@ -47,8 +48,9 @@ class KernelRuns:
         for node, c in zip(position, call, strict=True):
             previous.append(last.get(c, -1))
             last[c] = node
+        ids = {c: i for i, c in enumerate(dict.fromkeys(call))}
         return cls(np.array(position, dtype=int), np.array(previous, dtype=int),
-                   np.array(nbytes, dtype=float))
+                   np.array(nbytes, dtype=float), np.array([ids[c] for c in call], dtype=int))
 
     @property
     def held(self) -> bool:
@@ -64,6 +66,15 @@ class KernelRuns:
         if not self.held:
             return 0.0
         return float(self.row(start)[np.searchsorted(self.position, end)])
+
+    def calls(self, start: int, end: int) -> set[int]:
+        """The distinct calls run in nodes [start, end)."""
+        return set(self.call[(self.position >= start) & (self.position < end)].tolist())
+
+    def bytes_of(self, calls: set[int]) -> float:
+        """The bytes the kernels of ``calls`` keep, each once."""
+        first = np.unique(self.call, return_index=True)[1]
+        return float(sum(self.bytes[i] for i in first if int(self.call[i]) in calls))
 
     def between(self, cuts: np.ndarray) -> np.ndarray:
         """span_bytes(cuts[a], cuts[b]) for every pair of cuts, as a matrix [a, b]."""

@@ -54,6 +54,9 @@ class StageRole:
     # step ends, and each send's Work keeps its tensor: every output the stage sent and every
     # input gradient stay alive until then (schedule.HOLDS_SENDS).
     holds_sends: bool = False
+    # The stage sits on the first stage's device (the last stage of a V): the whole batch made
+    # there is counted once, on the first stage.
+    on_first_device: bool = False
 
     @property
     def peaks_before_gradients(self) -> bool:
@@ -171,5 +174,6 @@ def _data_bytes(arrays: NodeArrays, role: StageRole) -> tuple[float, float]:
     m, inputs, targets = role.micro_batches, arrays.boundary_bytes[0], arrays.target_bytes
     if role.whole_batch:
         whole = float(m * role.replicas * (inputs + targets))
-        return (whole if role.first else 0.0, whole if role.last and not role.first else 0.0)
+        return (whole if role.first else 0.0,
+                whole if role.last and not (role.first or role.on_first_device) else 0.0)
     return (float(m * inputs) if role.first else 0.0, float(m * targets) if role.last else 0.0)

@@ -43,7 +43,7 @@ def stages(draw: st.DrawFn) -> tuple[NodeArrays, int, int, StageRole]:
     # Micro-batches from 1: often all in flight on one replica (a peak before the gradients).
     role = StageRole(index, num_stages, draw(st.integers(1, 16)), draw(st.integers(1, 8)),
                      draw(st.sampled_from((1, 1, 2, 4))), draw(st.booleans()),
-                     draw(st.booleans()))
+                     draw(st.booleans()), draw(st.booleans()))
     return arrays, start, end, role
 
 

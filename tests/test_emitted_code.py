@@ -94,3 +94,15 @@ def test_group_norm_conversion_is_pipecs_own_when_the_plan_groups(
     grouped = any(r["to"] == "GroupNorm" for r in rewrites)
     assert grouped == (name == "resnet-group")
     assert (to_group_norm_source() in (outputs[name] / "stages.py").read_text()) == grouped
+
+
+def test_mkl_keeps_no_buffer_pool_from_before_torch_loads(outputs: dict[str, Path]) -> None:
+    # MKL reads MKL_DISABLE_FAST_MM when torch loads it: set after `import torch`, its pool of
+    # packing buffers stays, and fp32 host memory exceeds the plan (docs/runtime.md).
+    body = ast.parse((outputs["gpt-1f1b"] / "train.py").read_text()).body
+    setting = next(i for i, node in enumerate(body)
+                   if "MKL_DISABLE_FAST_MM" in ast.unparse(node))
+    first_torch = next(i for i, node in enumerate(body)
+                       if isinstance(node, ast.Import | ast.ImportFrom)
+                       and "torch" in ast.unparse(node))
+    assert setting < first_torch

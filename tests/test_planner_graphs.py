@@ -253,3 +253,23 @@ def test_the_runtimes_own_time_is_added_per_action_and_per_step() -> None:
     # One stage has no bubble: the device is idle only for the per-step time.
     assert bare.idle_share == pytest.approx(0.0)
     assert overheads.idle_share == pytest.approx(5e-3 / overheads.iteration_s)
+
+
+def test_a_device_holds_the_batch_and_each_kernel_once_whatever_its_stages() -> None:
+    """ZB-V on 2 CPU processes: device 0 runs the first and the last stage. The synthetic batch
+    (16 samples of 1 KiB inputs, 16 × 1 KiB targets) is made once in its process, and the math
+    library keeps one kernel per distinct convolution per process (1 MiB each here): every
+    node runs convolution C, node 0 also D."""
+    conv_c = (("conv", ((2, 8),)), ("conv", ((4, 8),)))
+    conv_d = (("conv", ((2, 3),)), ("conv", ((4, 3),)))
+    graph = _chain([1e9] * 8, cut_per_sample=KIB, target_per_sample=KIB)
+    nodes = tuple(replace(n, kernels=(conv_c, conv_d) if i == 0 else (conv_c,))
+                  for i, n in enumerate(graph.nodes))
+    graph = replace(graph, nodes=nodes, synthetic_data=True)
+    cpu = replace(_device(), device_type="cpu", conv_kernel_bytes=MIB)
+    chosen = plan(graph, _request([cpu] * 2, pp=2, micro_batch=2, schedule="zbv"))
+    assert [s.device for s in chosen.stages] == [0, 1, 1, 0]
+    data = [s.memory.data for s in chosen.stages]
+    assert data == [16 * 2 * KIB, 0.0, 0.0, 0.0]  # the last stage's targets: made on device 0
+    kernels = [sum(s.memory.kernels for s in chosen.stages if s.device == d) for d in (0, 1)]
+    assert kernels == [2 * MIB, MIB]  # C and D on device 0, C on device 1: once each

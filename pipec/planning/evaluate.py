@@ -68,7 +68,8 @@ def partition(costs: Costs, point: Point, balance: Balance, batch: int | None = 
         d.device_type == "cpu" for d in costs.request.devices)
     holds_sends = point.schedule in HOLDS_SENDS
     roles = tuple(StageRole(k, layout.stages, micro_batches, f, layout.dp, whole_batch,
-                            holds_sends) for k, f in enumerate(flights))
+                            holds_sends, layout.position(k) == layout.position(0))
+                  for k, f in enumerate(flights))
     placed = boundaries(costs, point, roles, balance)
     if placed is None:
         return None
@@ -80,12 +81,29 @@ def partition(costs: Costs, point: Point, balance: Balance, batch: int | None = 
             not unrecomputable[a:b].any() and stage_memory(sc.arrays, a, b, role, True).total
             < stage_memory(sc.arrays, a, b, role).total
             for (a, b), role in zip(itertools.pairwise(bounds), roles, strict=True))
-    stages = tuple(stage_memory(sc.arrays, a, b, role, again)
-                   for (a, b), role, again in zip(itertools.pairwise(bounds), roles, recompute,
-                                                  strict=True))
+    stages = _kernels_once_per_device(sc, layout, bounds, tuple(
+        stage_memory(sc.arrays, a, b, role, again)
+        for (a, b), role, again in zip(itertools.pairwise(bounds), roles, recompute,
+                                       strict=True)))
     memory = tuple(sum(stages[k].total for k in layout.stages_on(p)) + sc.runtime[p]
                    for p in range(layout.pp))
     return Evaluated(point, bounds, sc, micro_batches, memory, stages, recompute)
+
+
+def _kernels_once_per_device(sc: StageCosts, layout: Layout, bounds: tuple[int, ...],
+                             stages: tuple[StageMemory, ...]) -> tuple[StageMemory, ...]:
+    """The math library keeps its kernels per process: a stage on a device that already ran a
+    call (an earlier stage of it, interleaved or in a V) holds no second copy of its kernel."""
+    kernels = sc.arrays.kernels
+    if not kernels.held or layout.virtual == 1:
+        return stages
+    seen: dict[int, set[int]] = {p: set() for p in range(layout.pp)}
+    fixed = []
+    for k, memory in enumerate(stages):
+        calls = kernels.calls(bounds[k], bounds[k + 1]) - seen[layout.position(k)]
+        seen[layout.position(k)] |= calls
+        fixed.append(replace(memory, kernels=kernels.bytes_of(calls)))
+    return tuple(fixed)
 
 
 def timed(costs: Costs, e: Evaluated) -> Evaluated:
