@@ -9,6 +9,7 @@ A boundary costs ``latency + bytes / link bandwidth`` forward and the same again
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -299,6 +300,19 @@ def allreduce_s(grad_bytes: float, replicas: int, device: Device, inter_node: bo
                  else allreduce_bandwidth(device))
     steps = 2 * (replicas - 1)
     return steps * latency + steps / replicas * grad_bytes / bandwidth
+
+
+# DistributedDataParallel's buckets: the first closes at 1 MiB, the others at 25 MiB (its
+# bucket_cap_mb default); each is one all-reduce.
+DDP_FIRST_BUCKET_BYTES = 2**20
+DDP_BUCKET_BYTES = 25 * 2**20
+
+
+def data_parallel_collectives(grad_bytes: float) -> int:
+    """The all-reduces of a data-parallel step: one per DDP bucket of the gradients, and the
+    loss's (train.py's global_loss)."""
+    rest = max(grad_bytes - DDP_FIRST_BUCKET_BYTES, 0.0)
+    return 2 + math.ceil(rest / DDP_BUCKET_BYTES)
 
 
 def optimizer_s(param_bytes: float, optimizer: str, device: Device) -> float:

@@ -59,6 +59,11 @@ class Device:
     split_backward_node_s: float = 0.0
     # Bus bandwidth of an all-reduce within a node, bytes/s (0: the intra-node link's).
     allreduce_bandwidth: float = 0.0
+    # What each all-reduce of a data-parallel step pays within a node beyond its latency and
+    # bytes: started after compute, its threads wake on cores the training keeps busy, and DDP
+    # keeps its buckets' books. Paid per DDP bucket and by the loss's all-reduce (measured:
+    # pipec.probe; costmodel.data_parallel_collectives).
+    step_collective_s: float = 0.0
     # Host bytes per operation autograd records (its graph's node, the records and tensor
     # objects of what it saves), held while a micro-batch is in flight: counted where the
     # device's memory is the host's (CPU); 0 elsewhere.

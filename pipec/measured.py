@@ -25,10 +25,16 @@ from pathlib import Path
 import torch
 
 from pipec.calibrate import PROFILE_SIZES, load_calibration, profile_model, save_calibration
-from pipec.costmodel import Calibration
+from pipec.costmodel import Calibration, data_parallel_collectives
 from pipec.errors import ConfigError, PipecError
 from pipec.hardware import Device
-from pipec.probe import SCHEDULE_MICRO_BATCHES, RuntimeFigures, probe_runtime
+from pipec.probe import (
+    DATA_PARALLEL_WIDTHS,
+    SCHEDULE_MICRO_BATCHES,
+    RuntimeFigures,
+    data_parallel_bytes,
+    probe_runtime,
+)
 from pipec.schedule import ZERO_BUBBLE, simulate, stage_device
 
 log = logging.getLogger(__name__)
@@ -138,13 +144,34 @@ def _runtime(target: Target, processes: int) -> RuntimeFigures | None:
 
 
 def _with_runtime(device: Device, runtime: RuntimeFigures) -> Device:
+    collective, bandwidth = data_parallel_fit(runtime)
     return replace(device, intra_node_latency_s=runtime.latency_s,
-                   intra_node_bandwidth=runtime.bandwidth,
-                   allreduce_bandwidth=runtime.allreduce_bandwidth,
-                   action_overhead_s=runtime.action_overhead_s,
+                   intra_node_bandwidth=runtime.bandwidth, allreduce_bandwidth=bandwidth,
+                   step_collective_s=collective, action_overhead_s=runtime.action_overhead_s,
                    step_overhead_s=runtime.step_overhead_s,
                    schedule_action_s=schedule_action_s(runtime),
                    split_backward_node_s=runtime.split_backward_node_s)
+
+
+def data_parallel_fit(runtime: RuntimeFigures) -> tuple[float, float]:
+    """Each all-reduce's wait in a step and the bus bandwidth that make the model (the
+    all-reduces of data_parallel_collectives, the ring's latency and bytes, the runtime's step
+    overhead) reproduce the probe's two data-parallel steps: the smaller, whose bytes cost
+    next to nothing, gives the wait; the larger, the bandwidth (the all-reduce's own where
+    the larger's bytes explain less than the noise)."""
+    d = runtime.processes
+    ring = 2 * (d - 1) * runtime.latency_s
+    share = 2 * (d - 1) / d  # of the bytes, over the bus
+    small, large = (data_parallel_bytes(w) for w in DATA_PARALLEL_WIDTHS)
+    small_s, large_s = runtime.data_parallel_s
+    bandwidth = runtime.allreduce_bandwidth
+    for _ in range(3):  # the small model's few bytes, at the bandwidth fitted so far
+        collective = max(small_s - runtime.step_overhead_s - ring
+                         - share * small / bandwidth, 0.0) / data_parallel_collectives(small)
+        bytes_s = large_s - runtime.step_overhead_s - ring \
+            - data_parallel_collectives(large) * collective
+        bandwidth = share * large / bytes_s if bytes_s > 0 else runtime.allreduce_bandwidth
+    return collective, bandwidth
 
 
 def schedule_action_s(runtime: RuntimeFigures) -> tuple[tuple[str, float], ...]:

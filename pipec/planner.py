@@ -68,7 +68,7 @@ def plan(graph: CostGraph, request: PlanRequest) -> Plan:
         raise _infeasible(costs, layouts[-1])
     searched = _pp_dp(found.best.layout)
     compared = baselines(costs, searched)
-    chosen, decision = adopt(costs, found.near, compared)
+    chosen, decision = adopt(costs, found.fitting, compared)
     emitted = _pp_dp(chosen.layout)
     if emitted != searched:  # a simpler plan was kept: report the baselines on its layout
         searched, compared = emitted, baselines(costs, emitted)

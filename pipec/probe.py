@@ -15,7 +15,11 @@ with as many processes as the training will run on this machine (pipec.measured 
   stage_backward_weight, which walk the autograd graph in Python): the extra time per recorded
   operation;
 - **all-reduce**: 4 MiB over every process, as bus bandwidth 2(d−1)/d · bytes / seconds;
-- **per step**: an all-reduce of one value (train.py's loss, every step).
+- **per step**: an all-reduce of one value (train.py's loss, every step);
+- **data-parallel steps**: a stack of linear layers trained under DistributedDataParallel over
+  every process, with the loss's all-reduce, against the same steps without them, at two
+  gradient sizes (pipec.measured fits DDP's time per step in context: its all-reduces start
+  after compute, when gloo's threads must wake on cores the training keeps busy).
 """
 
 from __future__ import annotations
@@ -44,6 +48,9 @@ LINK_SIZES = (4, 64 * 1024, 1024 * 1024, 4 * 1024 * 1024)
 ALLREDUCE_BYTES = 4 * 1024 * 1024
 MICRO_BATCHES = 16
 SCHEDULE_MICRO_BATCHES = 8
+# The data-parallel probe: 4 layers of each width (gradients of 16 KiB and 4 MiB), 32 samples.
+DATA_PARALLEL_WIDTHS = (32, 512)
+DATA_PARALLEL_LAYERS = 4
 TIMEOUT_S = 120  # a worker that fails or is killed must not hang the compile
 
 
@@ -58,13 +65,15 @@ class RuntimeFigures:
     # Per schedule, a step of the 2-device pipeline of SCHEDULE_MICRO_BATCHES micro-batches.
     schedule_step_s: dict[str, float]
     split_backward_node_s: float  # what a split backward adds per autograd operation
+    # Per DATA_PARALLEL_WIDTHS, what a data-parallel step adds to the same step without it.
+    data_parallel_s: tuple[float, float]
 
 
 def probe_runtime(processes: int, threads: int) -> RuntimeFigures:
     """Fork ``processes`` workers with ``threads`` threads each and measure; one process
     measures only itself (no links, no contention)."""
     if processes < 2:
-        return RuntimeFigures(1, 0.0, 0.0, 0.0, 0.0, 0.0, {}, 0.0)
+        return RuntimeFigures(1, 0.0, 0.0, 0.0, 0.0, 0.0, {}, 0.0, (0.0, 0.0))
     context = mp.get_context("fork")
     results = context.Queue()
     port = _free_port()
@@ -103,7 +112,8 @@ def _worker(rank: int, world: int, port: int, threads: int, results: Any) -> Non
         figures = {"links": _links(rank),
                    "action": _action_overhead(rank), "schedules": _schedule_steps(rank),
                    "split": _split_backward_node_s(),
-                   "allreduce": _allreduce_s(), "step": _step_s()}
+                   "allreduce": _allreduce_s(), "step": _step_s(),
+                   "data_parallel": [_data_parallel_s(w) for w in DATA_PARALLEL_WIDTHS]}
         dist.destroy_process_group()
         results.put((rank, figures))
     except Exception as exc:  # reported to the parent, which raises it
@@ -299,6 +309,43 @@ def _step_s() -> float:
     return _median_s(lambda: dist.all_reduce(value), 20)
 
 
+def data_parallel_bytes(width: int) -> int:
+    """The gradient bytes of the data-parallel probe's model at ``width``."""
+    return DATA_PARALLEL_LAYERS * (width * width + width) * 4
+
+
+def _data_parallel_s(width: int) -> float:
+    """What DistributedDataParallel and the loss's all-reduce add to a training step of
+    DATA_PARALLEL_LAYERS linear layers of ``width`` (the median of three rounds, each
+    alternating the two)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(*(nn.Linear(width, width) for _ in range(DATA_PARALLEL_LAYERS)))
+    replicated = DistributedDataParallel(plain, gradient_as_bucket_view=True)
+    x = torch.ones(32, width)
+
+    def step(model: nn.Module, synchronized: bool) -> Callable[[], None]:
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-6)
+
+        def run() -> None:
+            optimizer.zero_grad(set_to_none=True)
+            loss = model(x).square().mean()
+            loss.backward()
+            if synchronized:
+                dist.all_reduce(loss.detach())
+            optimizer.step()
+        return run
+
+    extra = []
+    for _ in range(3):  # the mean over steps: the all-reduce's waits come in rare long ones
+        dist.barrier()
+        alone = _mean_s(step(plain, False), 20)
+        dist.barrier()
+        extra.append(_mean_s(step(replicated, True), 20) - alone)
+    return max(statistics.median(extra), 0.0)
+
+
 def _combine(processes: int, figures: list[dict[str, Any]]) -> RuntimeFigures:
     latency, bandwidth = _fit_link(figures[0]["links"])
     action = statistics.median(f["action"] for f in figures[:2])
@@ -308,7 +355,9 @@ def _combine(processes: int, figures: list[dict[str, Any]]) -> RuntimeFigures:
                           max(f["step"] for f in figures),
                           {s: max(figures[0]["schedules"][s], figures[1]["schedules"][s])
                            for s in figures[0]["schedules"]},
-                          statistics.median(f["split"] for f in figures))
+                          statistics.median(f["split"] for f in figures),
+                   (max(f["data_parallel"][0] for f in figures),
+                    max(f["data_parallel"][1] for f in figures)))
 
 
 def _fit_link(one_way: dict[int, float]) -> tuple[float, float]:

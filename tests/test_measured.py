@@ -71,7 +71,8 @@ def test_several_processes_measure_the_training_runtime_too(tmp_path: Path, cach
     assert runtime["allreduce_bandwidth"] > 1e7 and runtime["step_overhead_s"] > 0
     device = plan.request.devices[0]
     assert device.intra_node_latency_s == runtime["latency_s"]
-    assert device.allreduce_bandwidth == runtime["allreduce_bandwidth"]
+    assert device.allreduce_bandwidth > 1e7 and device.step_collective_s >= 0
+    assert runtime["data_parallel_s"][0] > 0
     assert device.action_overhead_s == runtime["action_overhead_s"]
     assert dict(device.schedule_action_s).keys() == runtime["schedule_step_s"].keys()
     calibration = plan.request.calibration

@@ -73,6 +73,17 @@ def test_a_more_complex_plan_wins_only_by_more_than_the_margin(tmp_path: Path) -
     assert fastest.decision.runner_up_relative > 0
 
 
+def test_the_runner_up_is_the_fastest_other_plan_even_beyond_the_margin(tmp_path: Path
+                                                                         ) -> None:
+    plan = compile_to(SAMPLES / "gpt.py", tmp_path / "o", gpus=2, batch_size=64, margin=0.0)
+    decision = plan.decision
+    assert decision is not None and decision.runner_up is not None
+    others = [c for c in plan.candidates if c.feasible and (c.pp, c.micro_batch, c.schedule) !=
+              (plan.pp, plan.micro_batch, plan.schedule)]
+    assert decision.runner_up.samples_per_s == pytest.approx(
+        max(c.samples_per_s for c in others), rel=0.05)  # candidates: time-balanced boundaries
+
+
 def test_with_every_choice_fixed_there_is_no_runner_up(tmp_path: Path) -> None:
     plan = compile_to(SAMPLES / "mlp.py", tmp_path / "o", gpus=2, batch_size=8, micro_batch=2,
                       schedule="1f1b")

@@ -255,6 +255,21 @@ def test_the_runtimes_own_time_is_added_per_action_and_per_step() -> None:
     assert overheads.idle_share == pytest.approx(5e-3 / overheads.iteration_s)
 
 
+def test_a_data_parallel_step_pays_each_all_reduces_wait() -> None:
+    """2 replicas of one stage holding 5 MiB of weights (latency 0, 10 GB/s links): the step's
+    all-reduces are DDP's 1 MiB bucket, one for the 4 MiB left and the loss's, each paying the
+    device's step_collective_s; a 2-stage pipeline, without replicas, pays none."""
+    graph = _chain([1e9] * 2, param_bytes=[5 * MIB, 0])
+    device = replace(_device(), step_collective_s=7e-3)
+    request = _request([device] * 2, global_batch=16, micro_batch=8, schedule="gpipe")
+    replicas = plan(graph, replace(request, pp=1))
+    ring = 5 * MIB / 1e10  # 2(d − 1)/d = 1 of the bytes, over the bus
+    assert replicas.iteration_s == pytest.approx(8 * 6e-3 + ring + 3 * 7e-3, rel=1e-3)
+    pipeline = plan(graph, replace(request, pp=2))
+    assert pipeline.iteration_s == pytest.approx(plan(
+        graph, replace(request, pp=2, devices=(_device(),) * 2)).iteration_s)
+
+
 def test_a_device_holds_the_batch_and_each_kernel_once_whatever_its_stages() -> None:
     """ZB-V on 2 CPU processes: device 0 runs the first and the last stage. The synthetic batch
     (16 samples of 1 KiB inputs, 16 × 1 KiB targets) is made once in its process, and the math

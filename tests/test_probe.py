@@ -4,15 +4,24 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import replace
 
 import pytest
 import torch
 
-from pipec.measured import probe_cuts, schedule_action_s
+from pipec.costmodel import allreduce_s, data_parallel_collectives
+from pipec.hardware import PRESETS
+from pipec.measured import (
+    data_parallel_fit,
+    probe_cuts,
+    schedule_action_s,
+)
 from pipec.probe import (
+    DATA_PARALLEL_WIDTHS,
     SCHEDULE_MICRO_BATCHES,
     RuntimeFigures,
     _fit_link,
+    data_parallel_bytes,
     probe_runtime,
     side_by_side,
 )
@@ -20,7 +29,8 @@ from pipec.schedule import SCHEDULES, simulate
 
 
 def test_one_process_measures_nothing_it_cannot_use() -> None:
-    assert probe_runtime(1, 1) == RuntimeFigures(1, 0.0, 0.0, 0.0, 0.0, 0.0, {}, 0.0)
+    assert probe_runtime(1, 1) == RuntimeFigures(1, 0.0, 0.0, 0.0, 0.0, 0.0, {}, 0.0,
+                                                        (0.0, 0.0))
     assert side_by_side(lambda: None, 1) == 1.0
 
 
@@ -59,12 +69,43 @@ def test_four_processes_on_this_machine() -> None:
     assert min(steps["interleaved"], steps["zbv"]) > steps["1f1b"]
     # Splitting a backward walks its autograd graph in Python: microseconds per operation.
     assert 0 < figures.split_backward_node_s < 1e-3
+    # Data parallelism adds to a step, more with more gradient bytes (4 MiB against 16 KiB).
+    small, large = figures.data_parallel_s
+    assert 0 < small < large
+
+
+def test_the_data_parallel_fit_reproduces_both_measured_steps() -> None:
+    # 4 processes on a machine where a data-parallel step adds the ring's 6 latencies of
+    # 100 µs, 1.5 × its bytes at 1 GB/s, the loss's all-reduce charged at 0.3 ms already (step
+    # overhead), and 0.5 ms per all-reduce: the small model's 1 bucket and the loss's are 2,
+    # the 4 MiB model's 2 buckets (1 MiB, then the rest) and the loss's 3.
+    small, large = (data_parallel_bytes(w) for w in DATA_PARALLEL_WIDTHS)
+    assert [data_parallel_collectives(b) for b in (small, large)] == [2, 3]
+
+    def added(nbytes: int) -> float:
+        return 0.3e-3 + 6 * 100e-6 + data_parallel_collectives(nbytes) * 0.5e-3 \
+            + 1.5 * nbytes / 1e9
+
+    runtime = RuntimeFigures(4, 100e-6, 1e30, 0.0, 5e9, 0.3e-3, {}, 0.0,
+                             (added(small), added(large)))
+    collective, bandwidth = data_parallel_fit(runtime)
+    # The bandwidth is the step's, not the probe's lone all-reduce's 5 GB/s.
+    assert collective == pytest.approx(0.5e-3) and bandwidth == pytest.approx(1e9)
+    device = replace(PRESETS["cpu"], intra_node_latency_s=100e-6, allreduce_bandwidth=bandwidth,
+                     step_collective_s=collective)
+    for nbytes in (small, large):
+        model = 0.3e-3 + allreduce_s(nbytes, 4, device) \
+            + data_parallel_collectives(nbytes) * collective
+        assert model == pytest.approx(added(nbytes), rel=1e-6)
+    # Steps that do not grow with the bytes (noise) keep the all-reduce's own bandwidth.
+    flat = replace(runtime, data_parallel_s=(added(small), added(small)))
+    assert data_parallel_fit(flat)[1] == 5e9
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_the_per_action_fit_reproduces_the_measured_step(schedule: str) -> None:
     link = 150e-6
-    runtime = RuntimeFigures(2, link, 1e30, 50e-6, 1e9, 1e-4, {schedule: 0.03}, 0.0)
+    runtime = RuntimeFigures(2, link, 1e30, 50e-6, 1e9, 1e-4, {schedule: 0.03}, 0.0, (0.0, 0.0))
     ((name, action),) = schedule_action_s(runtime)
     assert name == schedule and action > 0
     stages = 2 if schedule in ("gpipe", "1f1b") else 4
@@ -77,5 +118,5 @@ def test_the_per_action_fit_reproduces_the_measured_step(schedule: str) -> None:
                     weight_s=[action] * stages if split else None).iteration_s
     assert step == pytest.approx(0.03, rel=1e-6)
     # A step the links alone explain leaves nothing to the runtime.
-    assert schedule_action_s(RuntimeFigures(2, link, 1e30, 0.0, 1e9, 0.0, {schedule: 1e-6}, 0.0)) \
-        == ((schedule, 0.0),)
+    assert schedule_action_s(RuntimeFigures(2, link, 1e30, 0.0, 1e9, 0.0, {schedule: 1e-6}, 0.0,
+                                            (0.0, 0.0))) == ((schedule, 0.0),)

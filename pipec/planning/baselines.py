@@ -59,10 +59,10 @@ def _conventional_micro_batch(replica_batch: int, pp: int) -> int:
     return micro_batch
 
 
-def adopt(costs: Costs, near: tuple[Evaluated, ...], plans: tuple[BaselinePlan, ...]
+def adopt(costs: Costs, searched: tuple[Evaluated, ...], plans: tuple[BaselinePlan, ...]
           ) -> tuple[Evaluated, Decision | None]:
     """The plan to emit: a baseline's when asked (--strategy), else pipec's choice among its
-    search's plans predicted near the fastest (``near``) and the feasible baselines within what
+    search's plans that fit (``searched``) and the feasible baselines within what
     the user fixed (--micro-batch, --schedule, --pp): a baseline that simulates faster wins,
     unless a simpler plan is predicted within the decision margin of it (planning.choice)."""
     request = costs.request
@@ -74,7 +74,7 @@ def adopt(costs: Costs, near: tuple[Evaluated, ...], plans: tuple[BaselinePlan, 
                                   f"{gib(max(chosen.evaluated.memory))} on its fullest "
                                   "device; use --strategy pipec or more devices")
         return chosen.evaluated, None
-    alternatives = [*near, *(p.evaluated for p in plans
+    alternatives = [*searched, *(p.evaluated for p in plans
                              if p.summary.feasible and _allowed(p.evaluated, request))]
     return choose(costs, min(alternatives, key=rank), alternatives)
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 from pipec.costmodel import (
     allreduce_bandwidth,
     allreduce_s,
+    data_parallel_collectives,
     optimizer_s,
     spans_nodes,
 )
@@ -252,6 +253,7 @@ def _allreduce_s(costs: Costs, layout: Layout, position: int,
     grad_bytes = sum(float(costs.param_bytes[a:b].sum()) for a, b in spans)
     link = min(costs.devices(layout, position), key=allreduce_bandwidth)
     per_node = costs.request.gpus // costs.request.nodes
-    return allreduce_s(grad_bytes, layout.dp, link,
-                       spans_nodes(position, layout.pp, layout.dp, per_node,
-                                   layout.replicas_inner))
+    inter_node = spans_nodes(position, layout.pp, layout.dp, per_node, layout.replicas_inner)
+    waits = 0.0 if layout.dp == 1 or inter_node else \
+        data_parallel_collectives(grad_bytes) * link.step_collective_s
+    return allreduce_s(grad_bytes, layout.dp, link, inter_node) + waits

@@ -24,14 +24,15 @@ class SearchResult:
     best: Evaluated | None  # the fastest point that fits, timed; None: none fits
     candidates: tuple[Candidate, ...]  # every point evaluated, in point order
     pruned: int  # points skipped: their bound was slower than the best (widened by ``window``)
-    # Every point that fits and simulates within ``window`` of the best, the best included.
-    near: tuple[Evaluated, ...] = ()
+    # Every point evaluated that fits, timed (the best included): the choice's alternatives,
+    # the runner-up among them.
+    fitting: tuple[Evaluated, ...] = ()
 
 
 def search(costs: Costs, points: list[Point], window: float = 0.0) -> SearchResult:
-    """The fastest point that fits, and every fitting point predicted within ``window`` (a
-    fraction) of it. Points that do not fit are reported (as candidates) with their
-    time-balanced plan's memory and time."""
+    """The fastest point that fits, and every fitting point evaluated: all whose lower bound
+    comes within ``window`` (a fraction) of it. Points that do not fit are reported (as
+    candidates) with their time-balanced plan's memory and time."""
     bounds = {point: _lower_bound(costs, point) for point in points}
     ordered = sorted(points, key=lambda p: (bounds[p], point_order(p)))
     best: Evaluated | None = None
@@ -56,9 +57,7 @@ def search(costs: Costs, points: list[Point], window: float = 0.0) -> SearchResu
             if best is None or rank(e) < rank(best):
                 best = e
     evaluated.sort(key=lambda pc: point_order(pc[0]))
-    near = tuple(e for e in fitting_points
-                 if best is not None and e.iteration_s <= best.iteration_s * (1 + window))
-    return SearchResult(best, tuple(c for _, c in evaluated), pruned, near)
+    return SearchResult(best, tuple(c for _, c in evaluated), pruned, tuple(fitting_points))
 
 
 def point_order(point: Point) -> tuple[int, int, int, int]:
