@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 
 from conftest import SAMPLES, compile_to
+from pipec.costmodel import data_parallel_collectives
 from pipec.errors import ConfigError, InfeasibleError
+from pipec.hardware import PRESETS
 from pipec.planning.choice import ROOFLINE_MARGIN
 
 
@@ -473,3 +476,24 @@ def test_a_device_written_with_asdict_loads_back(tmp_path: Path) -> None:
     path.write_text(json.dumps({**asdict(device), "schedule_action_s": [["1f1b"]]}))
     with pytest.raises(ConfigError, match="hardware file"):
         load_hardware(str(path))
+
+
+def test_each_all_reduce_of_a_data_parallel_step_pays_the_wait(tmp_path: Path) -> None:
+    # ResNet on 2 replicas, BatchNorm synchronized: per micro-batch every BatchNorm all-reduces
+    # its statistics forward and its gradients backward, and the step all-reduces DDP's
+    # buckets and the loss; each pays the device's step_collective_s.
+    def hardware(wait: float) -> str:
+        path = tmp_path / f"cpu-{wait}.json"
+        path.write_text(json.dumps({**asdict(PRESETS["cpu"]), "step_collective_s": wait}))
+        return str(path)
+
+    plans = {wait: compile_to(SAMPLES / "resnet.py", tmp_path / str(wait), gpus=2, pp=1,
+                              batch_size=16, micro_batch=4, hardware=hardware(wait))
+             for wait in (0.0, 1e-3)}
+    rewrites = json.loads((tmp_path / "0.001" / "plan.json").read_text())["norm_rewrites"]
+    norms = sum(r["to"] == "SyncBatchNorm" for r in rewrites)
+    assert norms > 0
+    params = sum(s.params for s in plans[0.0].stages)
+    collectives = 2 * norms * 2 + data_parallel_collectives(params * 4)  # 2 micro-batches
+    assert plans[1e-3].iteration_s - plans[0.0].iteration_s == pytest.approx(
+        collectives * 1e-3)

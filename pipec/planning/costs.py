@@ -178,15 +178,18 @@ class Costs:
                              ) -> tuple[np.ndarray, np.ndarray]:
         """Per node, a synchronized BatchNorm's all-reduces over the replicas: its mean, variance
         and count forward, the gradients of its weight and bias backward (fp32), per
-        micro-batch. Small: their time is the all-reduce's latency."""
+        micro-batch. Small: their time is the all-reduce's latency, and its wait in a step."""
         channels = np.array([n.batch_norm_channels for n in self.graph.nodes], dtype=float)
         device = min((d for devices in positions for d in devices),
                      key=allreduce_bandwidth)
         per_node = self.request.gpus // self.request.nodes
         spans = spans_nodes(0, layout.pp, layout.dp, per_node, layout.replicas_inner)
-        fwd = [allreduce_s((2 * c + 1) * 4, layout.dp, device, spans) if c else 0.0
+        # Each all-reduce starts after compute, as DDP's do: it pays the step's wait as well.
+        wait = 0.0 if spans else device.step_collective_s
+        fwd = [allreduce_s((2 * c + 1) * 4, layout.dp, device, spans) + wait if c else 0.0
                for c in channels]
-        bwd = [allreduce_s(2 * c * 4, layout.dp, device, spans) if c else 0.0 for c in channels]
+        bwd = [allreduce_s(2 * c * 4, layout.dp, device, spans) + wait if c else 0.0
+               for c in channels]
         return np.array(fwd), np.array(bwd)
 
     def _cut_s(self, layout: Layout, arrays: NodeArrays, stage: int) -> np.ndarray:
