@@ -87,6 +87,17 @@ def test_the_pp_dp_mesh_trains_like_one_process(tmp_path: Path) -> None:
                        reference)
 
 
+def test_a_split_backward_sends_strided_input_gradients(tmp_path: Path) -> None:
+    # The last stage concatenates what it receives: the input gradients torch.autograd.grad
+    # gives a zero-bubble schedule are slices of the concatenation's, which gloo cannot send.
+    reference = train(MODELS / "skip_two_inputs.py", tmp_path, "one", 1)
+    plan = compile_to(MODELS / "skip_two_inputs.py", tmp_path / "zbv", gpus=2, batch_size=16,
+                      schedule="zbv")
+    assert plan.schedule == "zbv"
+    assert_same_losses(run_forked(tmp_path / "zbv", 2, "--steps", STEPS, "--seed", "3"),
+                       reference)
+
+
 def test_tied_weights_on_one_device_of_a_v_train_like_one_process(tmp_path: Path) -> None:
     # ZB-V puts the first stage (the embedding) and the last (the head that shares its weight)
     # on device 0: one tensor, used twice on one rank, under a split backward.
