@@ -222,6 +222,21 @@ def report(results: list[dict[str, Any]]) -> None:
           f"{TARGET_ERROR:.0%}), worst regret {regret:.1%} (target ≤ {TARGET_REGRET:.0%}), "
           f"pick ≥ every baseline in {len(results) - len(beaten)} of {len(results)}"
           + (f" (not in: {', '.join(beaten)})" if beaten else ""))
+    spread = between_plans(results)
+    print(f"between plans of one model: measured ÷ predicted sits a median {spread[0]:.1%} "
+          f"(75th percentile {spread[1]:.1%}) from its model's median ratio over "
+          f"{sum(len(r['plans']) for r in results)} plans (planning.choice's margin)")
+
+
+def between_plans(results: list[dict[str, Any]]) -> tuple[float, float]:
+    """The time model's error between plans of one model, what decides between them: each
+    plan's measured ÷ predicted step against its case's median ratio (median, 75th pct)."""
+    deviations = []
+    for r in results:
+        ratios = [statistics.median(p["measured_s"]) / p["predicted_s"] for p in r["plans"]]
+        middle = statistics.median(ratios)
+        deviations += [abs(x / middle - 1) for x in ratios]
+    return statistics.median(deviations), float(np.percentile(deviations, 75))
 
 
 if __name__ == "__main__":
