@@ -289,17 +289,27 @@ class _Grid:
         self.working = np.array([p.working_bytes[a:b].max(initial=0.0)
                                   for a, b in itertools.pairwise(cuts)])
         self.kernels = p.kernels.between(cuts) if p.kernels.held else None
+        # What any span holds at the least, recomputing or not: its weights and optimizer state
+        # (static less the gradients, which a stage peaking before them may not hold yet). As
+        # prefix sums it bounds how far back a span's start can reach and still fit.
+        least = self.static - self.gradient
+        self.least = least if bool(np.all(np.diff(least) >= 0)) else None
 
     def starts(self, stage: int, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Per end, the starts to try (ascending, padded) and which of them are real: at least
-        position ``stage``, before the end, and no slower than the upper bound (with a margin
-        for rounding; a start too many is harmless)."""
+        position ``stage``, before the end, no slower than the upper bound and holding no more
+        than the stage's memory at the least (with a margin for rounding; a start too many is
+        harmless)."""
         t = self.p.time[stage, self.cuts]
         slack = self.upper * (1 + 1e-9) + 1e-300
         need = t[ends] + self.p.cut_s[stage, self.cuts[ends]] - slack
         reach = (np.searchsorted(t, need, side="left") if np.isfinite(slack)
                  else np.zeros(len(ends), dtype=int))
         first = np.maximum(reach, stage)
+        capacity = self.p.capacity[stage]
+        if self.least is not None and np.isfinite(capacity):
+            need = self.least[ends] - capacity * (1 + 1e-9) - 1e-300
+            first = np.maximum(first, np.searchsorted(self.least, need, side="left"))
         width = max(int((ends - first).max()), 1)
         starts = ends[:, None] - width + np.arange(width)[None, :]
         valid = (starts >= first[:, None]) & (starts < ends[:, None])
