@@ -105,6 +105,14 @@ CASES = (
          ("--pp", "4", "--batch-size", "32", "--micro-batch", "2", "--schedule",
           "interleaved", "--virtual-stages", "2", "--optimizer", "adamw"),
          "8 stages on 4 devices, AdamW"),
+    Case("long-lm dp2 adamw zero2", "benchmarks/models/long_lm.py", 2,
+         ("--pp", "1", "--batch-size", "8", "--micro-batch", "2", "--optimizer", "adamw",
+          "--fsdp", "zero2"),
+         "FSDP: AdamW state and master weights sharded, gathered weights and gradients"),
+    Case("long-lm pp2×dp2 zero3", "benchmarks/models/long_lm.py", 4,
+         ("--pp", "2", "--batch-size", "16", "--micro-batch", "2", "--schedule", "1f1b",
+          "--optimizer", "adamw", "--fsdp", "zero3"),
+         "FSDP under a pipeline: weights gathered again after each forward"),
 )
 
 

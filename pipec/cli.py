@@ -24,7 +24,7 @@ from pipec.hardware import DEFAULT, PRESETS
 from pipec.inspection import inspect_model, render_json, render_table
 from pipec.measured import MEASURE_CHOICES
 from pipec.normalize import NORM_CHOICES
-from pipec.planner import RECOMPUTE, STRATEGIES, Plan
+from pipec.planner import FSDP_MODES, RECOMPUTE, STRATEGIES, Plan
 from pipec.schedule import SCHEDULES
 from pipec.trace import FRONTENDS
 
@@ -103,6 +103,9 @@ def _add_compile(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument("--recompute", choices=RECOMPUTE, default="auto",
                    help="activation recomputation per stage: auto (where a stage does not fit "
                    "otherwise), none, or full (every stage that may)")
+    p.add_argument("--fsdp", choices=FSDP_MODES, default="auto",
+                   help="sharded data parallelism over each stage's replicas (FSDP2): off "
+                   "(DDP), zero2, zero3, or auto (zero2 where it is faster or the only fit)")
     p.add_argument("--mesh", choices=("auto", "dp,pp", "pp,dp"), default="auto",
                    help="the device mesh, outer dimension first: dp,pp puts each replica's "
                    "pipeline on neighbouring ranks, pp,dp each pipeline device's replicas "
@@ -225,7 +228,7 @@ def _run_compile(args: argparse.Namespace) -> int:
         batch_size=args.batch_size, hardware=args.hardware, pp=args.pp,
         micro_batch=args.micro_batch, schedule=args.schedule, norm=args.norm,
         norm_groups=args.norm_groups, recompute=args.recompute, mesh=args.mesh,
-        optimizer=args.optimizer,
+        fsdp=args.fsdp, optimizer=args.optimizer,
         precision=args.precision,
         calibration=args.calibration, measure=args.measure, strategy=args.strategy,
         virtual_stages=args.virtual_stages, margin=args.margin, frontend=args.frontend,

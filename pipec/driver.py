@@ -38,6 +38,7 @@ class CompileOptions:
     norm_groups: int | None = None
     recompute: str = "auto"
     mesh: str = "auto"  # "auto", "dp,pp" or "pp,dp": outer dimension first
+    fsdp: str = "auto"  # "auto", "off", "zero2" or "zero3"
     optimizer: str = "sgd"
     precision: str = "fp32"
     calibration: Path | None = None
@@ -145,7 +146,7 @@ def _request(options: CompileOptions) -> PlanRequest:
         training=Training(options.optimizer, options.precision),
         calibration=load_calibration(options.calibration) if options.calibration else None,
         strategy=options.strategy, virtual_stages=options.virtual_stages, margin=options.margin,
-        norm=options.norm, recompute=options.recompute, mesh=options.mesh)
+        norm=options.norm, recompute=options.recompute, mesh=options.mesh, fsdp=options.fsdp)
 
 
 def _devices(options: CompileOptions) -> tuple[Device, ...]:

@@ -53,6 +53,7 @@ def plan_dict(plan: Plan, norms: NormPlan, traced: Traced) -> dict[str, Any]:
         # The device mesh, outer dimension first: ranks r = outer index · inner size + inner.
         "mesh": ["pp", "dp"] if plan.replicas_inner else ["dp", "pp"],
         "recompute": request.recompute,  # asked for; each stage's choice is under "stages"
+        "fsdp": plan.fsdp,  # "off" (DDP), "zero2" or "zero3" (FSDP2 over each stage's replicas)
         "decision": _decision(plan),
         "devices": [d.name for d in request.devices],
         "search": {"evaluated": len(plan.candidates), "pruned": plan.pruned},
@@ -60,6 +61,7 @@ def plan_dict(plan: Plan, norms: NormPlan, traced: Traced) -> dict[str, Any]:
             "micro_batch": c.micro_batch, "num_micro_batches": c.num_micro_batches,
             "schedule": c.schedule, "samples_per_s": c.samples_per_s, "pp": c.pp, "dp": c.dp,
             "virtual_stages": c.virtual_stages, "replicas_inner": c.replicas_inner,
+            "fsdp": c.fsdp,
             "peak_memory_bytes": c.peak_memory_bytes, "feasible": c.feasible,
         } for c in plan.candidates],
         "baselines": [{
@@ -89,6 +91,7 @@ def _decision(plan: Plan) -> dict[str, Any] | None:
             "runner_up": None if runner is None else {
                 "pp": runner.pp, "dp": runner.dp, "micro_batch": runner.micro_batch,
                 "schedule": runner.schedule, "virtual_stages": runner.virtual_stages,
+                "fsdp": runner.fsdp,
                 "samples_per_s": runner.samples_per_s,
                 "step_time_relative": decision.runner_up_relative}}
 

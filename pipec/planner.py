@@ -33,6 +33,7 @@ from pipec.planning.evaluate import (
 from pipec.planning.layouts import VIRTUAL_STAGES, layouts_to_search, points
 from pipec.planning.maxbatch import MAX_BATCH_FACTOR, max_batches
 from pipec.planning.search import search
+from pipec.planning.sharding import FSDP_MODES, SHARDED
 from pipec.planning.values import Baseline, Candidate, MaxBatch, Plan, PlanRequest, StagePlan
 from pipec.schedule import SCHEDULES, ZERO_BUBBLE
 from pipec.units import gib
@@ -41,6 +42,7 @@ from pipec.units import gib
 RECOMPUTE = ("auto", "none", "full")
 
 __all__ = [
+    "FSDP_MODES",
     "MAX_BATCH_FACTOR",
     "RECOMPUTE",
     "STRATEGIES",
@@ -82,7 +84,7 @@ def plan(graph: CostGraph, request: PlanRequest) -> Plan:
         baselines=tuple(b.summary for b in compared),
         max_batch=max_batches(costs, searched, limit), max_batch_limit=limit,
         virtual_stages=chosen.layout.virtual, pruned=found.pruned,
-        replicas_inner=chosen.layout.replicas_inner,
+        replicas_inner=chosen.layout.replicas_inner, fsdp=chosen.layout.fsdp,
         device_memory_bytes=chosen.memory, decision=decision,
         step_terms=step_terms(costs, chosen))
 
@@ -118,6 +120,13 @@ def _check(request: PlanRequest) -> None:
         raise ConfigError(f"--schedule {request.schedule} with --recompute full: torch's "
                           "zero-bubble schedules do not run with activation recomputation; use "
                           "--recompute auto (it then recomputes nothing) or --schedule 1f1b")
+    if request.fsdp not in FSDP_MODES:
+        raise ConfigError(f"--fsdp {request.fsdp!r}: use one of {', '.join(FSDP_MODES)}")
+    if request.fsdp in SHARDED and (request.schedule in ZERO_BUBBLE
+                                    or request.schedule == "interleaved"):
+        raise ConfigError(f"--fsdp {request.fsdp} with --schedule {request.schedule}: pipec "
+                          "shards only stages alone on their device whose backward is whole; "
+                          "use --schedule 1f1b or gpipe, or --fsdp off")
     if request.mesh not in ("auto", "dp,pp", "pp,dp"):
         raise ConfigError(f"--mesh {request.mesh!r}: use auto, dp,pp or pp,dp (outer dimension "
                           "first)")

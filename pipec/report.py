@@ -31,7 +31,7 @@ def search_table(plan: Plan) -> str:
                      key=lambda c: -c.samples_per_s)
     ranked = fits[:TOP_CANDIDATES] + too_big[:3]
     rows = [(c.micro_batch, c.num_micro_batches, _schedule_label(c.schedule, c.virtual_stages),
-             f"{c.pp}×{c.dp}",
+             f"{c.pp}×{c.dp}" + ("" if c.fsdp == "off" else f" {c.fsdp}"),
              f"{c.samples_per_s:,.1f}", mib(c.peak_memory_bytes, 1),
              "yes" if c.feasible else "no") for c in ranked]
     headers = ("micro-batch", "micro-batches", "schedule", "pp×dp", "samples/s",
@@ -50,7 +50,8 @@ def decision_text(plan: Plan) -> str:
         return (f"No other plan fits what was asked. A more complex plan would have to win by "
                 f"more than {margin}.")
     label = (f"{runner.pp}×{runner.dp}, micro-batch {runner.micro_batch}, "
-             f"{_schedule_label(runner.schedule, runner.virtual_stages)}")
+             f"{_schedule_label(runner.schedule, runner.virtual_stages)}"
+             f"{'' if runner.fsdp == 'off' else ', FSDP ' + runner.fsdp}")
     if decision.kept_simpler:
         return (f"Runner-up: {label}, predicted {-decision.runner_up_relative:.1%} faster but more "
                 f"complex; that is within {margin}, so the simpler plan is kept.")

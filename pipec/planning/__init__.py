@@ -4,6 +4,7 @@
 |---|---|
 | ``values.py`` | the request and the results (``PlanRequest``, ``Plan``, ``StagePlan`` …) |
 | ``costs.py`` | ``Layout``, ``Point`` and the cost arrays every point shares (``Costs``) |
+| ``sharding.py`` | sharded data parallelism (FSDP): what a sharded stage holds, its collectives |
 | ``balance.py`` | the strategies and the boundary rule each one balances with |
 | ``layouts.py`` | the search space: pp × dp layouts, micro-batch sizes, schedules, points |
 | ``evaluate.py`` | one point: its boundaries and memory, then its simulated iteration |
@@ -20,6 +21,7 @@ Glossary (besides docs/architecture.md's):
   ``"time_within_memory"`` (pipec), ``"time"``, ``"parameters"`` or ``"uniform"``. Two
   strategies may share one (torchgpipe and conventional balance time; they differ in
   micro-batch, schedule and layout).
-- *layout*: pp pipeline devices × dp replicas, v stages per device (interleaved).
+- *layout*: pp pipeline devices × dp replicas, v stages per device (interleaved), the rank
+  order, and whether the replicas shard each stage (FSDP) or replicate it (DDP).
 - *point*: a layout with a micro-batch size and a schedule: what the search evaluates.
 """

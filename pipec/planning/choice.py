@@ -1,6 +1,6 @@
 """The choice under the model's error: a more complex plan (interleaving, a split backward, more
-stages, a smaller micro-batch) must beat a simpler one by more than the time model's measured
-error to win, since a smaller predicted margin says nothing about which measures faster
+stages, a smaller micro-batch, sharding) must beat a simpler one by more than the time model's
+measured error to win, since a smaller predicted margin says nothing about which measures faster
 (docs/fidelity.md). The runner-up and its predicted margin are reported either way."""
 
 from __future__ import annotations
@@ -63,19 +63,20 @@ def _same_plan(a: Evaluated, b: Evaluated) -> bool:
 
 def _simpler(a: Evaluated, b: Evaluated) -> bool:
     """``a`` is simpler than ``b``: no more stages per device, no split backward (zero bubble)
-    where ``b`` has none, no more pipeline devices, no smaller micro-batch, and not the same in
-    all four."""
+    where ``b`` has none, no more pipeline devices, no smaller micro-batch, no sharding where
+    ``b`` has none, and not the same in all five."""
     keys_a = _complexity(a)
     keys_b = _complexity(b)
     return keys_a != keys_b and all(x <= y for x, y in zip(keys_a, keys_b, strict=True))
 
 
-def _complexity(e: Evaluated) -> tuple[int, int, int, int]:
-    return (e.layout.virtual, int(e.schedule in ZERO_BUBBLE), e.layout.pp, -e.micro_batch)
+def _complexity(e: Evaluated) -> tuple[int, int, int, int, int]:
+    return (e.layout.virtual, int(e.schedule in ZERO_BUBBLE), e.layout.pp, -e.micro_batch,
+            int(e.layout.fsdp != "off"))
 
 
 def candidate(costs: Costs, e: Evaluated) -> Candidate:
     layout = e.layout
     return Candidate(e.micro_batch, e.num_micro_batches, e.schedule,
                      costs.request.global_batch / e.iteration_s, max(e.memory), e.fits(),
-                     layout.pp, layout.dp, layout.virtual, layout.replicas_inner)
+                     layout.pp, layout.dp, layout.virtual, layout.replicas_inner, layout.fsdp)

@@ -20,6 +20,7 @@ from pipec.costmodel import (
 )
 from pipec.hardware import Device, action_s
 from pipec.normalize import resolve_norm
+from pipec.planning.sharding import HOST_BYTES, SHARDED, shard_arrays
 from pipec.planning.values import PlanRequest
 from pipec.schedule import SCHEDULES, stage_device
 
@@ -36,6 +37,7 @@ class Layout:
     # Ranks: a replica's positions on neighbouring ranks (False), or a position's replicas
     # (True: data parallelism within a node, the pipeline across nodes).
     replicas_inner: bool = False
+    fsdp: str = "off"  # or "zero2"/"zero3": FSDP over each position's replicas (sharding.py)
 
     @property
     def stages(self) -> int:
@@ -119,8 +121,12 @@ class Costs:
         self.max_stages = int(self.legal[1:-1].sum()) + 1
         self.params = np.array([n.params for n in graph.nodes], dtype=float)
         self.weight_share = weight_shares(graph)
+        self.graph_has_batch_norm = any(n.batch_norm_channels for n in graph.nodes)
         self.autograd_nodes = np.array([n.autograd_nodes for n in graph.nodes], dtype=float)
         self.param_bytes = np.array([n.param_bytes for n in graph.nodes], dtype=float)
+        # Per node, the fp32 bytes of its parameters, shared ones included (what FSDP shards).
+        self.weight_bytes = self.param_bytes + np.array([n.shared_bytes for n in graph.nodes],
+                                                        dtype=float)
         self._nodes: dict[tuple[Device, int], NodeArrays] = {}
         self._stages: dict[tuple[Layout, int], StageCosts] = {}
         # Filled and read by balance.boundaries only: points that differ in what a boundary
@@ -157,9 +163,12 @@ class Costs:
             sync_fwd, sync_bwd = self._synchronized_norm_s(layout, positions)
             fwd, bwd = fwd + sync_fwd, bwd + sync_bwd
         arrays = self.nodes(positions[0][0], micro_batch)
+        if layout.fsdp in SHARDED:
+            arrays = shard_arrays(arrays, self.weight_bytes, self.request.training, layout.dp)
         cut = np.stack([self._cut_s(layout, arrays, k) for k in range(layout.stages)])
         capacity = tuple(min(usable_memory(d) for d in devices) for devices in positions)
-        runtime = tuple(max(d.runtime_bytes for d in devices) for devices in positions)
+        runtime = tuple(max(d.runtime_bytes + self._sharding_host_bytes(layout, d)
+                            for d in devices) for devices in positions)
         calibration = self.request.calibration
         measured = calibration.stage_overhead_s if calibration else (0.0, 0.0)
         scale = calibration.contention if calibration else 1.0
@@ -168,6 +177,11 @@ class Costs:
         split = max(d.split_backward_node_s for d in self.request.devices) * self.autograd_nodes
         return StageCosts(fwd + bwd, fwd, bwd, arrays, cut, capacity, runtime, overhead,
                           bwd * self.weight_share, action, self._schedule_action_s(), split)
+
+    @staticmethod
+    def _sharding_host_bytes(layout: Layout, device: Device) -> float:
+        """FSDP's own host memory, where the host's memory is the device's (a CPU)."""
+        return HOST_BYTES if layout.fsdp in SHARDED and device.device_type == "cpu" else 0.0
 
     def _schedule_action_s(self) -> tuple[tuple[str, float], ...]:
         """Per schedule, the slowest device's runtime time per action."""

@@ -15,6 +15,7 @@ from pipec.costmodel import (
 )
 from pipec.planning.balance import Balance, boundaries
 from pipec.planning.costs import Costs, Layout, Point, StageCosts
+from pipec.planning.sharding import SHARDED, collective_count, collectives_s
 from pipec.schedule import (
     HOLDS_SENDS,
     SCHEDULES,
@@ -138,10 +139,12 @@ def data_s(costs: Costs) -> float:
 
 
 def _optimizer_s(costs: Costs, e: Evaluated) -> float:
+    """The slowest position's optimizer step: over its shard of the weights under FSDP."""
     spans = list(itertools.pairwise(e.boundaries))
     optimizer = costs.request.training.optimizer
+    shard = e.layout.dp if e.layout.fsdp in SHARDED else 1
     return max(optimizer_s(sum(float(costs.param_bytes[a:b].sum())
-                               for a, b in _spans_on(e, spans, p)),
+                               for a, b in _spans_on(e, spans, p)) / shard,
                            optimizer, min(costs.devices(e.layout, p),
                                           key=lambda d: d.memory_bandwidth))
                for p in range(e.layout.pp))
@@ -242,18 +245,28 @@ def stage_bwd_s(sc: StageCosts, k: int, a: int, b: int, recompute: bool = False,
 
 
 def sync_s(costs: Costs, e: Evaluated) -> float:
-    """The slowest position's gradient all-reduce (all positions run theirs at once)."""
+    """The slowest position's data-parallel collectives (all positions run theirs at once):
+    the gradient all-reduce, or FSDP's all-gathers and reduce-scatter."""
     spans = list(itertools.pairwise(e.boundaries))
-    return max(_allreduce_s(costs, e.layout, p, _spans_on(e, spans, p))
-               for p in range(e.layout.pp))
+    return max(_collectives_s(costs, e, p, _spans_on(e, spans, p)) for p in range(e.layout.pp))
 
 
-def _allreduce_s(costs: Costs, layout: Layout, position: int,
-                 spans: list[tuple[int, int]]) -> float:
-    grad_bytes = sum(float(costs.param_bytes[a:b].sum()) for a, b in spans)
+def _collectives_s(costs: Costs, e: Evaluated, position: int,
+                   spans: list[tuple[int, int]]) -> float:
+    """One position's collectives, each also paying the wait a collective after compute has
+    (Device.step_collective_s, measured within a node)."""
+    layout = e.layout
+    if layout.dp == 1:
+        return 0.0
     link = min(costs.devices(layout, position), key=allreduce_bandwidth)
     per_node = costs.request.gpus // costs.request.nodes
     inter_node = spans_nodes(position, layout.pp, layout.dp, per_node, layout.replicas_inner)
-    waits = 0.0 if layout.dp == 1 or inter_node else \
-        data_parallel_collectives(grad_bytes) * link.step_collective_s
-    return allreduce_s(grad_bytes, layout.dp, link, inter_node) + waits
+    wait = 0.0 if inter_node else link.step_collective_s
+    if layout.fsdp in SHARDED:
+        weights = sum(float(costs.weight_bytes[a:b].sum()) for a, b in spans)
+        return (collectives_s(layout.fsdp, weights, e.num_micro_batches, layout.dp, link,
+                              inter_node)
+                + collective_count(layout.fsdp, e.num_micro_batches) * wait)
+    grad_bytes = sum(float(costs.param_bytes[a:b].sum()) for a, b in spans)
+    return (allreduce_s(grad_bytes, layout.dp, link, inter_node)
+            + data_parallel_collectives(grad_bytes) * wait)

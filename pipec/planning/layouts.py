@@ -4,7 +4,9 @@ that the request allows, checked against the devices, the batch and the model's 
 from __future__ import annotations
 
 from pipec.errors import ConfigError
+from pipec.normalize import resolve_norm
 from pipec.planning.costs import Costs, Layout, Point
+from pipec.planning.sharding import SHARDED
 from pipec.planning.values import PlanRequest
 from pipec.schedule import SCHEDULES, ZERO_BUBBLE, runs
 
@@ -68,13 +70,39 @@ def points(costs: Costs, layouts: list[Layout]) -> list[Point]:
         replica_batch = request.global_batch // dp
         for m in micro_batch_sizes(request, replica_batch):
             for schedule in _schedules(request):
-                found += [Point(Layout(pp, dp, v, schedule == "zbv", inner), m, schedule)
+                found += [Point(Layout(pp, dp, v, schedule == "zbv", inner, fsdp), m, schedule)
                           for v in _virtual_stages(costs, schedule, pp)
                           for inner in _rank_orders(request, layout)
+                          for fsdp in _fsdp_modes(costs, layout, schedule, v)
                           if runs(schedule, pp, replica_batch // m, v)]
+    if not found and request.fsdp in SHARDED:
+        raise _no_sharding(request, layouts)
     if not found:
         raise _no_schedule(request, layouts[-1].pp)
     return found
+
+
+def _fsdp_modes(costs: Costs, layout: Layout, schedule: str, virtual: int) -> tuple[str, ...]:
+    """The sharding searched at a point (planning.sharding): only with replicas to shard over,
+    one stage per device (FSDP units must not share a parameter, as a device's stages may) and
+    a full backward (torch's zero-bubble schedules make the weights' gradients apart); never
+    where plain BatchNorm is kept across replicas (FSDP, unlike DDP, does not broadcast the
+    running statistics). ``auto`` searches zero2: zero3 holds as much at the peak."""
+    request = costs.request
+    if (layout.dp == 1 or virtual > 1 or schedule in ZERO_BUBBLE
+            or (resolve_norm(request.norm, layout.pp, layout.dp) == "keep"
+                and costs.graph_has_batch_norm)):
+        return () if request.fsdp in SHARDED else ("off",)
+    return ("off", "zero2") if request.fsdp == "auto" else (request.fsdp,)
+
+
+def _no_sharding(request: PlanRequest, layouts: list[Layout]) -> ConfigError:
+    replicas = ", ".join(str(layout.dp) for layout in layouts)
+    return ConfigError(f"--fsdp {request.fsdp} shards each stage over its data-parallel "
+                       f"replicas, with one stage per device and a schedule without a split "
+                       f"backward (gpipe or 1f1b); the layouts searched have {replicas} "
+                       "replica(s). Use a --pp below --gpus, --schedule 1f1b or gpipe, or "
+                       "--fsdp off")
 
 
 def _no_schedule(request: PlanRequest, pp: int) -> ConfigError:

@@ -34,6 +34,7 @@ class PlanRequest:
     norm: str = "auto"  # --norm: a synchronized BatchNorm costs an all-reduce per layer
     recompute: str = "auto"  # --recompute: auto (where a stage must), none or full
     mesh: str = "auto"  # --mesh: "dp,pp" (a replica's pipeline innermost), "pp,dp", or searched
+    fsdp: str = "auto"  # --fsdp: off, zero2, zero3, or searched (auto: off or zero2)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,6 +72,7 @@ class Candidate:
     dp: int
     virtual_stages: int = 1
     replicas_inner: bool = False  # a position's replicas on neighbouring ranks
+    fsdp: str = "off"  # sharded data parallelism: "zero2" or "zero3" (planning.sharding)
 
 
 @dataclass(frozen=True)
@@ -126,3 +128,4 @@ class Plan:
     step_terms: dict[str, float] = field(default_factory=dict)
     # Ranks: a position's replicas on neighbouring ranks (True) or a replica's positions.
     replicas_inner: bool = False
+    fsdp: str = "off"  # "zero2"/"zero3": FSDP over each stage's replicas in place of DDP

@@ -1,0 +1,144 @@
+"""Sharded data parallelism (--fsdp): what a sharded stage holds and what its collectives cost,
+by hand; when the search shards; its user errors; and the emitted script, which trains like one
+process under zero2 and zero3, and whose sharded checkpoints any plan resumes."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from conftest import MODELS, SAMPLES, STEP_LINE, compile_to, run_forked, run_forked_text
+from pipec.costmodel import Training, allreduce_s, optimizer_s, usable_memory
+from pipec.errors import ConfigError
+from pipec.hardware import PRESETS, load_devices
+from pipec.planning.sharding import HOST_BYTES, sharded_static_ratio
+
+ADAMW = {"optimizer": "adamw", "batch_size": 16}
+
+
+def test_a_sharded_stage_keeps_its_weights_and_gradients_whole_and_the_rest_sharded() -> None:
+    # AdamW, fp32: weight 1 and gradient 1 whole; the sharded weight and two moments ÷ 4.
+    assert sharded_static_ratio(Training("adamw", "fp32"), 4) == 1 + 1 + 3 / 4
+    # bf16 autocast keeps a bf16 copy of each gathered weight (half its bytes).
+    assert sharded_static_ratio(Training("sgd", "bf16"), 2) == 1 + 1 + 2 / 2 + 0.5
+
+
+def test_sharded_memory_collectives_and_optimizer_by_hand(tmp_path: Path) -> None:
+    options = {"gpus": 4, "pp": 2, "micro_batch": 2, "schedule": "1f1b", **ADAMW}
+    ddp = compile_to(SAMPLES / "mlp.py", tmp_path / "off", fsdp="off", **options)
+    sharded = compile_to(SAMPLES / "mlp.py", tmp_path / "z2", fsdp="zero2", **options)
+    assert (ddp.fsdp, sharded.fsdp) == ("off", "zero2")
+    device = PRESETS["cpu"]
+    weights = [4.0 * s.params for s in sharded.stages]  # fp32; the MLP has no buffers
+    for stage, stage_weights in zip(sharded.stages, weights, strict=True):
+        assert stage.memory is not None
+        assert stage.memory.static == pytest.approx(stage_weights * (1 + 1 + 3 / 2))
+    # Each position's runtime holds FSDP's own host memory besides DDP's (a CPU's).
+    for d in range(2):
+        runtime = [plan.device_memory_bytes[d] - sum(s.memory_bytes for s in plan.stages
+                                                     if s.device == d)
+                   for plan in (ddp, sharded)]
+        assert runtime[1] - runtime[0] == pytest.approx(HOST_BYTES)
+    # One all-gather and one reduce-scatter (each half a ring all-reduce) and three waits (the
+    # loss's too), on the slowest position; the optimizer steps over half the weights.
+    expected = max(allreduce_s(w, 2, device) + 3 * device.step_collective_s for w in weights)
+    assert sharded.step_terms["all_reduce"] == pytest.approx(expected)
+    assert sharded.step_terms["optimizer"] == pytest.approx(
+        max(optimizer_s(w / 2, "adamw", device) for w in weights))
+    plan_json = json.loads((tmp_path / "z2" / "plan.json").read_text())
+    assert plan_json["fsdp"] == "zero2" and "FSDP2 (zero2)" in (tmp_path / "z2" /
+                                                                  "report.md").read_text()
+
+
+def test_zero3_gathers_the_weights_again_for_each_micro_batch(tmp_path: Path) -> None:
+    options = {"gpus": 4, "pp": 2, "micro_batch": 2, "schedule": "1f1b", **ADAMW}
+    zero2 = compile_to(SAMPLES / "mlp.py", tmp_path / "z2", fsdp="zero2", **options)
+    zero3 = compile_to(SAMPLES / "mlp.py", tmp_path / "z3", fsdp="zero3", **options)
+    assert zero3.device_memory_bytes == zero2.device_memory_bytes
+    assert zero3.step_terms["all_reduce"] > zero2.step_terms["all_reduce"]
+
+
+DEVICE = {"name": "gpu-like", "fp32_flops": 1e12, "bf16_flops": 1e12, "memory_bandwidth": 1e13,
+          "intra_node_bandwidth": 1e10, "inter_node_bandwidth": 1e9,
+          "intra_node_latency_s": 1e-6, "inter_node_latency_s": 1e-5,
+          "kernel_overhead_s": 1e-7, "efficiency": 0.5}
+
+
+def _device(tmp_path: Path, usable: float | None = None) -> str:
+    """A device file with 1 GiB, or with ``usable`` bytes usable."""
+    path = tmp_path / f"device-{usable}.json"
+    path.write_text(json.dumps({**DEVICE, "memory_bytes": 2**30}))
+    if usable is not None:
+        device = load_devices(str(path), 1)[0]
+        at_zero = usable_memory(replace(device, memory_bytes=0))
+        per_gib = usable_memory(device) - at_zero
+        path.write_text(json.dumps({**DEVICE, "memory_bytes": int((usable - at_zero) / per_gib
+                                                                  * 2**30)}))
+    return str(path)
+
+
+def test_auto_shards_where_only_sharding_fits_and_not_otherwise(tmp_path: Path) -> None:
+    options = {"gpus": 2, "pp": 1, "micro_batch": 8, **ADAMW}
+    roomy = compile_to(SAMPLES / "gpt.py", tmp_path / "auto", hardware=_device(tmp_path),
+                       **options)
+    assert roomy.fsdp == "off"  # no faster by more than the margin: DDP is simpler
+    ddp, sharded = (max(compile_to(SAMPLES / "gpt.py", tmp_path / mode, fsdp=mode,
+                                   hardware=_device(tmp_path), **options).device_memory_bytes)
+                    for mode in ("off", "zero2"))
+    assert sharded < ddp
+    plan = compile_to(SAMPLES / "gpt.py", tmp_path / "tight",
+                      hardware=_device(tmp_path, (sharded + ddp) / 2), **options)
+    assert plan.fsdp == "zero2"
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"fsdp": "zero1"}, r"--fsdp 'zero1': use one of auto, off, zero2, zero3"),
+    ({"fsdp": "zero2", "gpus": 2, "pp": 2}, r"--fsdp zero2 shards .* 1 replica"),
+    ({"fsdp": "zero3", "gpus": 4, "pp": 2, "schedule": "zbv"}, r"--fsdp zero3 with --schedule"),
+    ({"fsdp": "zero2", "gpus": 4, "pp": 2, "schedule": "interleaved"},
+     r"--fsdp zero2 with --schedule interleaved"),
+], ids=["unknown", "no-replicas", "zero-bubble", "interleaved"])
+def test_sharding_that_cannot_run_is_a_user_error(options: dict[str, object], message: str,
+                                                  tmp_path: Path) -> None:
+    options = {"gpus": 2, "batch_size": 16, **options}
+    with pytest.raises(ConfigError, match=message):
+        compile_to(SAMPLES / "mlp.py", tmp_path / "o", **options)
+
+
+def _losses(out: Path, processes: int, *args: str) -> list[float]:
+    return run_forked(out, processes, "--steps", "4", "--seed", "3", "--clip-norm", "0.05",
+                      *args)
+
+
+@pytest.mark.parametrize(("mode", "model", "gpus", "pp"), [
+    ("zero2", "tied_gpt", 4, 2),  # the tied embedding and head on two devices, both sharded
+    ("zero3", "tied_gpt", 2, 1),
+])
+def test_sharded_plans_train_like_one_process(mode: str, model: str, gpus: int, pp: int,
+                                              tmp_path: Path) -> None:
+    compile_to(MODELS / f"{model}.py", tmp_path / "one", gpus=1, **ADAMW)
+    plan = compile_to(MODELS / f"{model}.py", tmp_path / mode, gpus=gpus, pp=pp, fsdp=mode,
+                      **ADAMW)
+    assert (plan.fsdp, plan.dp) == (mode, 2)
+    expected = _losses(tmp_path / "one", 1)
+    assert len(set(expected)) > 1
+    assert _losses(tmp_path / mode, gpus) == pytest.approx(expected, rel=1e-5)
+
+
+def test_a_sharded_checkpoint_resumes_on_another_plan(tmp_path: Path) -> None:
+    """The zero2 plan saves its shards at step 2; one process resumes them and its steps 3 and
+    4 are those of an uninterrupted run."""
+    compile_to(MODELS / "tied_gpt.py", tmp_path / "one", gpus=1, **ADAMW)
+    compile_to(MODELS / "tied_gpt.py", tmp_path / "z2", gpus=4, pp=2, fsdp="zero2", **ADAMW)
+    expected = _losses(tmp_path / "one", 1)
+    checkpoints = str(tmp_path / "checkpoints")
+    run_forked(tmp_path / "z2", 4, "--steps", "2", "--seed", "3", "--clip-norm", "0.05",
+               "--checkpoint-dir", checkpoints, "--checkpoint-every", "2")
+    text = run_forked_text(tmp_path / "one", 1, "--steps", "4", "--seed", "3", "--clip-norm",
+                           "0.05", "--checkpoint-dir", checkpoints, "--resume")
+    resumed = [(int(k), float(v)) for k, v in STEP_LINE.findall(text)]
+    assert [k for k, _ in resumed] == [3, 4], text
+    assert [v for _, v in resumed] == pytest.approx(expected[2:], rel=1e-5)
