@@ -221,6 +221,7 @@ def _node_cost(n: fx.Node, one: Measured, two: Measured,
         buffer_bytes=buffer_bytes, shared_bytes=shared_bytes,
         autograd_nodes=one.autograd_nodes,
         kernels=tuple(zip(one.kernels, two.kernels, strict=True)),
+        selective_bytes=_linear(one.selective_bytes, two.selective_bytes),
     )
 
 def _shape_at_one(low: torch.Tensor, high: torch.Tensor) -> tuple[int, ...]:

@@ -69,6 +69,9 @@ class NodeCost:
     # shapes that agree at one batch size only stay apart): a CPU keeps a kernel for each
     # distinct one (pipec.kernels).
     kernels: tuple[tuple[KernelCall, KernelCall], ...] = ()
+    # What selective recomputation keeps for every micro-batch in flight (fp32): the outputs
+    # of the node's weight products, convolutions and fused attention (pipec.kernels).
+    selective_bytes: Linear = Linear(0.0, 0.0)
 
 @dataclass(frozen=True)
 class LossCost:

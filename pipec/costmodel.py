@@ -16,7 +16,7 @@ import numpy as np
 
 from pipec.costgraph import CostGraph, LossCost, NodeCost
 from pipec.hardware import Device
-from pipec.partition import KernelRuns
+from pipec.kernelruns import KernelRuns
 
 # Per fp32 parameter byte, what training keeps besides the weight itself: its gradient, the
 # optimizer state (SGD's momentum buffer; AdamW's two moments) and, under bf16 autocast, the
@@ -133,6 +133,29 @@ class NodeArrays:
     graph_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))
     # The kernels the device's math library keeps, each distinct call's once per stage.
     kernels: KernelRuns = field(default_factory=KernelRuns)
+    # Per node, what selective recomputation keeps per micro-batch in flight (pipec.kernels):
+    # the outputs of its weight products, convolutions and fused attention; bf16 under
+    # autocast, which runs them in bf16.
+    selective_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))
+
+    @functools.cached_property
+    def selective_shared(self) -> np.ndarray:
+        """Per node, what selective recomputation keeps that autograd saves anyway: the
+        recomputed micro-batch finds it kept and does not make it again."""
+        if self.selective_bytes.size == 0:
+            return self.selective_bytes
+        saved = self.activation_bytes - (self.graph_bytes if self.graph_bytes.size else 0.0)
+        shared: np.ndarray = np.minimum(self.selective_bytes, saved)
+        return shared
+
+    @functools.cached_property
+    def selective_held(self) -> np.ndarray:
+        """Per cut (length n + 1), what selective recomputation keeps of a stage's outputs
+        ending there, which the runtime holds anyway (held_bytes): the same tensor."""
+        held = np.zeros(len(self.held_bytes))
+        if self.selective_bytes.size:
+            held[1:] = np.minimum(self.held_bytes[1:], self.selective_bytes)
+        return held
 
     @functools.cached_property
     def accumulating_working_bytes(self) -> np.ndarray:
@@ -185,7 +208,9 @@ def node_arrays(graph: CostGraph, device: Device, micro_batch: int, training: Tr
     return NodeArrays(fwd, bwd, static, saved_bytes, boundary, held, working, loss_saved,
                       graph.loss.target_bytes.at(micro_batch),
                       (param_bytes + shared) * GRADIENT_RATIO, graph_bytes,
-                      kernel_runs(graph, device, bf16))
+                      kernel_runs(graph, device, bf16),
+                      np.array([n.selective_bytes.at(micro_batch) * (0.5 if bf16 else 1.0)
+                                for n in graph.nodes]))
 
 
 def kernel_runs(graph: CostGraph, device: Device, bf16: bool) -> KernelRuns:

@@ -57,6 +57,10 @@ class Device:
     # Seconds per autograd operation of a stage that a zero-bubble schedule's split backward
     # adds (torch walks the stage's autograd graph in Python to split it).
     split_backward_node_s: float = 0.0
+    # Seconds per autograd operation of a stage that selective recomputation adds, forward and
+    # again when it recomputes (its dispatch mode runs in Python for every operation; on a GPU
+    # the host's time overlaps the kernels': 0).
+    selective_node_s: float = 0.0
     # Bus bandwidth of an all-reduce within a node, bytes/s (0: the intra-node link's).
     allreduce_bandwidth: float = 0.0
     # What each all-reduce of a data-parallel step pays within a node beyond its latency and

@@ -32,6 +32,7 @@ class Measured:
     # micro-batch, each host memory while the micro-batch is in flight.
     autograd_nodes: int = 0
     kernels: tuple[KernelCall, ...] = ()  # its forward's products and convolutions
+    selective_bytes: int = 0  # what selective recomputation keeps of it (pipec.kernels)
 
 class _MeasuringInterpreter(fx.Interpreter):
     """Runs the graph on meta tensors, each compute node in isolation (cf. fx's ShapeProp).
@@ -92,23 +93,25 @@ class _MeasuringInterpreter(fx.Interpreter):
             value = getattr(self, n.op)(n.target, args, kwargs)
         else:
             copies = {t.grad_fn for t in inputs if t.grad_fn is not None}  # see _isolate
-            value, forward, backward, saved, kernels = self._instrumented(n, args, kwargs,
-                                                                          leaves)
+            value, forward, backward, saved, kernels, kept = self._instrumented(
+                n, args, kwargs, leaves)
             self.memo[key] = _Memo(forward, backward, self._recipe(inputs, value, saved),
                                    self._template(value, inputs), autograd_nodes(value, copies),
-                                   kernels)
+                                   kernels, kept)
         memo = self.memo[key]
         self.keep_alive += [*leaves, *inputs, *flat_tensors(value)]
         self._record(n.name, inputs, flat_tensors(value), memo.saved)
         self.measured[n.name] = Measured(value, memo.fwd_flops, memo.bwd_flops, 0,
                                          autograd_nodes=memo.autograd_nodes,
-                                         kernels=memo.kernels)
+                                         kernels=memo.kernels,
+                                         selective_bytes=memo.selective_bytes)
         return value
 
     def _instrumented(self, n: fx.Node, args: Any, kwargs: Any, leaves: list[torch.Tensor]
-                      ) -> tuple[Any, int, int, list[torch.Tensor], tuple[KernelCall, ...]]:
+                      ) -> tuple[Any, int, int, list[torch.Tensor], tuple[KernelCall, ...], int]:
         """Run the node counting FLOPs forward and backward, catching what it saves and
-        logging its products and convolutions."""
+        logging its products and convolutions (and what selective recomputation keeps: a
+        fused attention's output and log-sum-exp)."""
         saved: list[torch.Tensor] = []
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
@@ -119,10 +122,15 @@ class _MeasuringInterpreter(fx.Interpreter):
                 FlopCounterMode(display=False) as forward, KernelLog() as kernels:
             value = getattr(self, n.op)(n.target, args, kwargs)
         backward = self._backward_flops(n, value, leaves)
+        kept = kernels.selective_bytes
         if n.target is F.scaled_dot_product_attention:
             value, saved = self._fused_attention(args, kwargs, value, saved)
+            inputs = {storage_id(t) for t in flat_tensors((args, kwargs))}
+            kept = sum(t.untyped_storage().nbytes() for t in saved
+                       if storage_id(t) not in inputs)
         self.keep_alive += saved
-        return value, forward.get_total_flops(), backward, saved, tuple(kernels.calls)
+        return (value, forward.get_total_flops(), backward, saved, tuple(kernels.calls),
+                kept)
 
     def _signature(self, n: fx.Node, args: Any, kwargs: Any) -> Hashable:
         """What a node's costs depend on: its operation (a module's type and configuration) and
@@ -289,6 +297,7 @@ class _Memo:
     output: Any  # a template of the output (see _template)
     autograd_nodes: int = 0
     kernels: tuple[KernelCall, ...] = ()
+    selective_bytes: int = 0
 
 def _rebuildable(template: Any) -> bool:
     if template is _RUN:
@@ -329,7 +338,8 @@ def measure(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...]) -> dict[str, M
         interpreter.run(*inputs)
     saved = interpreter.saved_bytes()
     return {name: Measured(m.value, m.fwd_flops, m.bwd_flops, saved.get(name, 0),
-                            interpreter.is_saved(m.value), m.autograd_nodes, m.kernels)
+                            interpreter.is_saved(m.value), m.autograd_nodes, m.kernels,
+                            m.selective_bytes)
             for name, m in interpreter.measured.items()}
 
 

@@ -150,7 +150,8 @@ def _with_runtime(device: Device, runtime: RuntimeFigures) -> Device:
                    step_collective_s=collective, action_overhead_s=runtime.action_overhead_s,
                    step_overhead_s=runtime.step_overhead_s,
                    schedule_action_s=schedule_action_s(runtime),
-                   split_backward_node_s=runtime.split_backward_node_s)
+                   split_backward_node_s=runtime.split_backward_node_s,
+                   selective_node_s=runtime.selective_node_s)
 
 
 def data_parallel_fit(runtime: RuntimeFigures) -> tuple[float, float]:

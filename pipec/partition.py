@@ -14,10 +14,12 @@ gradients alive while one node's backward runs).
 
 Activation recomputation (``recompute_s``): a stage may keep only its inputs for backward and
 run its forward again there. It then holds one micro-batch's activations (while it recomputes)
-instead of ``in_flight[s]`` of them, and its time grows by its forward. A stage recomputes when
-it must (it does not fit otherwise) or always (``always_recompute``), unless one of its nodes
-must not run twice (``unrecomputable``). Each stage's choice depends only on its own span, so
-the DP stays exact.
+instead of ``in_flight[s]`` of them, and its time grows by its forward. Selective recomputation
+(``selective_s``) keeps, per micro-batch in flight, the outputs of the expensive operations
+(``selective_bytes``) and runs only the others again. A stage takes the fastest of plain,
+selective and full that fits (or, with ``always``, the mode named there wherever it may),
+unless one of its nodes must not run twice (``unrecomputable``). Each stage's choice depends
+only on its own span, so the DP stays exact.
 """
 
 from __future__ import annotations
@@ -27,61 +29,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pipec.kernelruns import KernelRuns
 
-@dataclass(frozen=True)
-class KernelRuns:
-    """The kernels a CPU's math library compiles and keeps (pipec.kernels), one entry per call
-    in graph order: the node that runs it, the node of the same call's run before (−1: none)
-    and its bytes. A stage holds each distinct call's once: the runs in its span whose run
-    before lies outside it."""
-
-    position: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=int))
-    previous: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=int))
-    bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))
-    call: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=int))  # equal: one kernel
-
-    @classmethod
-    def of(cls, position: list[int], call: list[object], nbytes: list[float]) -> KernelRuns:
-        """From each run's node (ascending), its call (equal calls share a kernel), bytes."""
-        last: dict[object, int] = {}
-        previous = []
-        for node, c in zip(position, call, strict=True):
-            previous.append(last.get(c, -1))
-            last[c] = node
-        ids = {c: i for i, c in enumerate(dict.fromkeys(call))}
-        return cls(np.array(position, dtype=int), np.array(previous, dtype=int),
-                   np.array(nbytes, dtype=float), np.array([ids[c] for c in call], dtype=int))
-
-    @property
-    def held(self) -> bool:
-        return bool(self.bytes.any())
-
-    def row(self, start: int) -> np.ndarray:
-        """Per run count c, the bytes of a span from ``start`` over the first c runs: summed
-        in graph order, as every caller rounds."""
-        first = (self.position >= start) & (self.previous < start)
-        return np.concatenate(([0.0], np.cumsum(np.where(first, self.bytes, 0.0))))
-
-    def span_bytes(self, start: int, end: int) -> float:
-        if not self.held:
-            return 0.0
-        return float(self.row(start)[np.searchsorted(self.position, end)])
-
-    def calls(self, start: int, end: int) -> set[int]:
-        """The distinct calls run in nodes [start, end)."""
-        return set(self.call[(self.position >= start) & (self.position < end)].tolist())
-
-    def bytes_of(self, calls: set[int]) -> float:
-        """The bytes the kernels of ``calls`` keep, each once."""
-        first = np.unique(self.call, return_index=True)[1]
-        return float(sum(self.bytes[i] for i in first if int(self.call[i]) in calls))
-
-    def between(self, cuts: np.ndarray) -> np.ndarray:
-        """span_bytes(cuts[a], cuts[b]) for every pair of cuts, as a matrix [a, b]."""
-        if not self.held:
-            return np.zeros((len(cuts), len(cuts)))
-        runs = np.searchsorted(self.position, cuts)
-        return np.stack([self.row(int(c))[runs] for c in cuts])
+# A stage's recomputation (plan.json stages[k].recompute), fastest first.
+RECOMPUTE_MODES = ("none", "selective", "full")
 
 
 @dataclass(frozen=True)
@@ -107,11 +58,23 @@ class Problem:
     recompute_s: np.ndarray | None = None
     # Prefix counts of the nodes a recomputing stage must not hold (they would run twice).
     unrecomputable: np.ndarray = field(default_factory=lambda: np.zeros(1))
-    always_recompute: bool = False  # recompute every stage that may, fitting or not
+    # "full" or "selective": every stage that may recomputes so, fitting or not ("": where it
+    # must).
+    always: str = ""
     # Prefix sums of the part of activation_bytes that a recomputing stage still holds per
     # micro-batch in flight (autograd's graph, on a CPU).
     graph_bytes: np.ndarray = field(default_factory=lambda: np.zeros(1))
     kernels: KernelRuns = field(default_factory=KernelRuns)
+    # (num_stages, n + 1) prefix sums of what selective recomputation costs (the forward of the
+    # operations it does not keep), and prefix sums of what it keeps per micro-batch in flight;
+    # None: no stage recomputes selectively.
+    selective_s: np.ndarray | None = None
+    selective_bytes: np.ndarray = field(default_factory=lambda: np.zeros(1))
+    # Prefix sums of what it keeps that autograd saves anyway (the recomputed micro-batch does
+    # not make it again), and per cut what it keeps of a stage's outputs ending there, which
+    # the stage's ``leave_bytes`` hold anyway.
+    selective_shared: np.ndarray = field(default_factory=lambda: np.zeros(1))
+    selective_held: np.ndarray = field(default_factory=lambda: np.zeros(1))
 
     @property
     def unmade_key(self) -> np.ndarray:
@@ -133,7 +96,7 @@ class Problem:
 class Partition:
     boundaries: tuple[int, ...]  # num_stages + 1 cuts, 0 first and n last
     bottleneck: float  # the slowest stage's time
-    recompute: tuple[bool, ...] = ()  # per stage: whether it recomputes its activations
+    recompute: tuple[str, ...] = ()  # per stage: one of RECOMPUTE_MODES
 
 
 def make_problem(costs: np.ndarray, static: np.ndarray, activation: np.ndarray,
@@ -143,12 +106,16 @@ def make_problem(costs: np.ndarray, static: np.ndarray, activation: np.ndarray,
                  gradients: np.ndarray | None = None,
                  before_gradients: tuple[bool, ...] | None = None,
                  recompute: np.ndarray | None = None, unrecomputable: np.ndarray | None = None,
-                 always_recompute: bool = False, graph: np.ndarray | None = None,
-                 kernels: KernelRuns | None = None) -> Problem:
+                 always: str = "", graph: np.ndarray | None = None,
+                 kernels: KernelRuns | None = None, selective: np.ndarray | None = None,
+                 selective_bytes: np.ndarray | None = None,
+                 selective_shared: np.ndarray | None = None,
+                 selective_held: np.ndarray | None = None) -> Problem:
     """Build a Problem from per-node arrays (length n) and per-cut arrays (length n + 1).
 
-    ``costs``, ``cut_s``, ``enter``, ``leave`` and ``recompute`` (each node's cost of running
-    again) are one row for all stages or one row per stage; the memory terms default to zero.
+    ``costs``, ``cut_s``, ``enter``, ``leave``, ``recompute`` and ``selective`` (each node's
+    cost of running again, in full or selectively) are one row for all stages or one row per
+    stage; the memory terms default to zero.
     """
     def prefix(values: np.ndarray) -> np.ndarray:
         values = np.asarray(values, float)
@@ -167,8 +134,16 @@ def make_problem(costs: np.ndarray, static: np.ndarray, activation: np.ndarray,
                    None if recompute is None else np.broadcast_to(prefix(recompute),
                                                                   (stages, n + 1)),
                    prefix(np.zeros(n) if unrecomputable is None else unrecomputable),
-                   always_recompute, prefix(np.zeros(n) if graph is None or not len(graph)
-                                            else graph), kernels or KernelRuns())
+                   always, prefix(np.zeros(n) if graph is None or not len(graph) else graph),
+                   kernels or KernelRuns(),
+                   None if selective is None else np.broadcast_to(prefix(selective),
+                                                                  (stages, n + 1)),
+                   prefix(_or_zeros(selective_bytes, n)), prefix(_or_zeros(selective_shared, n)),
+                   _or_zeros(selective_held, n + 1))
+
+
+def _or_zeros(values: np.ndarray | None, length: int) -> np.ndarray:
+    return np.zeros(length) if values is None or not len(values) else np.asarray(values, float)
 
 
 def stage_time(p: Problem, stage: int, start: int, end: int) -> float:
@@ -183,29 +158,46 @@ def stage_memory(p: Problem, stage: int, start: int, end: int) -> float:
                  + p.kernels.span_bytes(start, end))
 
 
-def recomputed_memory(p: Problem, stage: int, start: int, end: int) -> float:
+def recomputed_memory(p: Problem, stage: int, start: int, end: int,
+                      mode: str = "full") -> float:
     """The stage's memory when it recomputes: one micro-batch's activations (those it makes
-    again in its backward, with their graph) and the graph of every micro-batch in flight, no
-    gradient left unmade."""
+    again in its backward, with their graph) and, per micro-batch in flight, the graph and
+    (selective) what it keeps; no gradient left unmade."""
     activations = p.activation_bytes[end] - p.activation_bytes[start]
-    graph = p.graph_bytes[end] - p.graph_bytes[start]
+    kept = p.graph_bytes[end] - p.graph_bytes[start]
+    if mode == "selective":
+        activations = activations - (p.selective_shared[end] - p.selective_shared[start])
+        kept = kept + ((p.selective_bytes[end] - p.selective_bytes[start])
+                       - p.selective_held[end])
     return float(p.static_bytes[end] - p.static_bytes[start] + activations
-                 + p.in_flight[stage] * graph
+                 + p.in_flight[stage] * kept
                  + p.enter_bytes[stage, start] + p.leave_bytes[stage, end]
                  + p.working_bytes[start:end].max(initial=0.0) + p.kernels.span_bytes(start, end))
 
 
-def stage_choice(p: Problem, stage: int, start: int, end: int) -> tuple[float, bool] | None:
-    """The stage's time and whether it recomputes, or None when it fits neither way."""
+def stage_choice(p: Problem, stage: int, start: int, end: int) -> tuple[float, str] | None:
+    """The stage's time and recomputation (RECOMPUTE_MODES), or None when it fits no way."""
     plain = stage_time(p, stage, start, end)
     fits = stage_memory(p, stage, start, end) <= p.capacity[stage]
-    may = p.recompute_s is not None and p.unrecomputable[end] == p.unrecomputable[start]
-    if may and (p.always_recompute or not fits):
-        assert p.recompute_s is not None
-        slower = plain + float(p.recompute_s[stage, end] - p.recompute_s[stage, start])
-        return (slower, True) if recomputed_memory(p, stage, start, end) <= p.capacity[stage] \
-            else None
-    return (plain, False) if fits else None
+    may = p.unrecomputable[end] == p.unrecomputable[start]
+    if not may or (fits and not p.always):
+        return (plain, "none") if fits else None
+    # The fastest recomputation that fits (the first of equals), or the one ``always`` names.
+    best: tuple[float, str] | None = None
+    for mode, extra in _recomputations(p):
+        slower = plain + float(extra[stage, end] - extra[stage, start])
+        if recomputed_memory(p, stage, start, end, mode) <= p.capacity[stage] and (
+                best is None or slower < best[0]):
+            best = (slower, mode)
+    return best
+
+
+def _recomputations(p: Problem) -> list[tuple[str, np.ndarray]]:
+    """The recomputations a stage may choose from (only the one ``always`` names, if any),
+    with their prefix times."""
+    return [(mode, extra) for mode, extra in (("selective", p.selective_s),
+                                              ("full", p.recompute_s))
+            if extra is not None and p.always in ("", mode)]
 
 
 def unmade_gradients(p: Problem, stage: int, start: int, end: int) -> float:
@@ -258,7 +250,7 @@ def solve(p: Problem) -> Partition | None:
         return None
     bounds = _backtrack(choices, cuts)
     chosen = [stage_choice(p, s, a, b) for s, (a, b) in enumerate(itertools.pairwise(bounds))]
-    return Partition(bounds, float(best[-1]), tuple(bool(c and c[1]) for c in chosen))
+    return Partition(bounds, float(best[-1]), tuple(c[1] if c else "none" for c in chosen))
 
 
 def _upper_bound(p: Problem, cuts: np.ndarray) -> float:
@@ -284,6 +276,8 @@ class _Grid:
         self.p, self.cuts, self.upper = p, cuts, upper
         self.static, self.activation = p.static_bytes[cuts], p.activation_bytes[cuts]
         self.gradient, self.graph = p.gradient_bytes[cuts], p.graph_bytes[cuts]
+        self.selective, self.shared = p.selective_bytes[cuts], p.selective_shared[cuts]
+        self.held = p.selective_held[cuts]
         key = p.unmade_key
         self.lowest_key = np.array([-key[a:b].min() for a, b in itertools.pairwise(cuts)])
         self.working = np.array([p.working_bytes[a:b].max(initial=0.0)
@@ -317,14 +311,11 @@ class _Grid:
 
     def cost(self, stage: int, ends: np.ndarray, starts: np.ndarray) -> np.ndarray:
         """Each span's time as ``stage_choice`` gives it: plain where it fits (and need not
-        recompute), recomputing where it must or always does and then fits, else infinite."""
+        recompute), else the fastest recomputation that fits (or the one ``always`` names,
+        where the span may), else infinite."""
         p = self.p
         plain = self.time(stage, ends, starts)
         capacity = p.capacity[stage]
-        if capacity == np.inf:
-            fits = np.ones(starts.shape, dtype=bool)
-            return plain if p.recompute_s is None or not p.always_recompute \
-                else self._recomputed(stage, ends, starts, plain, fits, fits)
         # What a span holds either way (weights, its ends, its largest working set), gathered
         # once; added in stage_memory's order, so that the sums round as the reference's do.
         static = self.static[ends][:, None] - self.static[starts]
@@ -337,26 +328,27 @@ class _Grid:
         kernels = 0.0 if self.kernels is None else self.kernels[starts, ends[:, None]]
         fits = (static + flights * activations - unmade + enter + leave + working + kernels
                 <= capacity)
-        if p.recompute_s is None:
-            return np.where(fits, plain, np.inf)
-        graph = self.graph[ends][:, None] - self.graph[starts]
-        fits_recomputed = (static + activations + flights * graph + enter + leave + working
-                           + kernels <= capacity)
-        return self._recomputed(stage, ends, starts, plain, fits, fits_recomputed)
-
-    def _recomputed(self, stage: int, ends: np.ndarray, starts: np.ndarray, plain: np.ndarray,
-                    fits: np.ndarray, fits_recomputed: np.ndarray) -> np.ndarray:
-        """Spans that recompute (where they must, or always) take their forward again."""
-        p = self.p
-        assert p.recompute_s is not None
-        extra = p.recompute_s[stage, self.cuts]
-        slower = plain + (extra[ends][:, None] - extra[starts])  # as stage_choice rounds
         unrecomputable = p.unrecomputable[self.cuts]
         may = unrecomputable[ends][:, None] == unrecomputable[starts]
-        recomputes = may & (p.always_recompute | ~fits)
-        cost: np.ndarray = np.where(recomputes, np.where(fits_recomputed, slower, np.inf),
-                                    np.where(fits, plain, np.inf))
-        return cost
+        cost: np.ndarray = np.where(fits, plain, np.inf)
+        recomputed = np.full(fits.shape, np.inf)
+        graph = self.graph[ends][:, None] - self.graph[starts]
+        for mode, extra in _recomputations(p):
+            made, kept = activations, graph
+            if mode == "selective":  # as recomputed_memory adds them
+                made = activations - (self.shared[ends][:, None] - self.shared[starts])
+                kept = graph + ((self.selective[ends][:, None] - self.selective[starts])
+                                - self.held[ends][:, None])
+            fits_mode = (static + made + flights * kept + enter + leave + working
+                         + kernels <= capacity)
+            slower = plain + (extra[stage, self.cuts][ends][:, None]
+                              - extra[stage, self.cuts][starts])  # as stage_choice rounds
+            recomputed = np.minimum(recomputed, np.where(fits_mode, slower, np.inf))
+        if not _recomputations(p):
+            return cost
+        recomputes = may & (bool(p.always) | ~fits)
+        chosen: np.ndarray = np.where(recomputes, recomputed, cost)
+        return chosen
 
     def time(self, stage: int, ends: np.ndarray, starts: np.ndarray) -> np.ndarray:
         t = self.p.time[stage, self.cuts]
@@ -406,5 +398,5 @@ def brute_force(p: Problem) -> Partition | None:
             continue
         bottleneck = max(c[0] for c in chosen if c)
         if best is None or bottleneck < best.bottleneck:
-            best = Partition(bounds, bottleneck, tuple(bool(c and c[1]) for c in chosen))
+            best = Partition(bounds, bottleneck, tuple(c[1] if c else "none" for c in chosen))
     return best

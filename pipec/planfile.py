@@ -34,7 +34,7 @@ def plan_dict(plan: Plan, norms: NormPlan, traced: Traced) -> dict[str, Any]:
             "activation_bytes": s.activation_bytes, "memory_bytes": s.memory_bytes,
             "time_s": s.time_s, "compute_s": s.compute_s, "boundary_bytes": s.boundary_bytes,
             "nodes": [s.start, s.end], "device": s.device, "fwd_s": s.fwd_s, "bwd_s": s.bwd_s,
-            "memory": _memory_terms(s.memory), "recompute": "full" if s.recompute else "none",
+            "memory": _memory_terms(s.memory), "recompute": s.recompute,
         } for s in plan.stages],
         "predicted": {
             "iteration_s": plan.iteration_s, "samples_per_s": plan.samples_per_s,

@@ -38,8 +38,9 @@ from pipec.planning.values import Baseline, Candidate, MaxBatch, Plan, PlanReque
 from pipec.schedule import SCHEDULES, ZERO_BUBBLE
 from pipec.units import gib
 
-# --recompute: where a stage must to fit (auto), never, or every stage that may (full).
-RECOMPUTE = ("auto", "none", "full")
+# --recompute: where a stage must to fit, the fastest way that fits (auto), never, or every stage
+# that may, in full or selectively (only the cheap operations run again).
+RECOMPUTE = ("auto", "none", "full", "selective")
 
 __all__ = [
     "FSDP_MODES",
@@ -116,10 +117,11 @@ def _check(request: PlanRequest) -> None:
         raise ConfigError(f"--virtual-stages {request.virtual_stages}: it sets the stages per "
                           "device of --schedule interleaved or interleaved-zb and must be 2 or "
                           "more (zbv always runs 2)")
-    if request.schedule in ZERO_BUBBLE and request.recompute == "full":
-        raise ConfigError(f"--schedule {request.schedule} with --recompute full: torch's "
-                          "zero-bubble schedules do not run with activation recomputation; use "
-                          "--recompute auto (it then recomputes nothing) or --schedule 1f1b")
+    if request.schedule in ZERO_BUBBLE and request.recompute in ("full", "selective"):
+        raise ConfigError(f"--schedule {request.schedule} with --recompute "
+                          f"{request.recompute}: torch's zero-bubble schedules do not run "
+                          "with activation recomputation; use --recompute auto (it then "
+                          "recomputes nothing) or --schedule 1f1b")
     if request.fsdp not in FSDP_MODES:
         raise ConfigError(f"--fsdp {request.fsdp!r}: use one of {', '.join(FSDP_MODES)}")
     if request.fsdp in SHARDED and (request.schedule in ZERO_BUBBLE
@@ -131,8 +133,8 @@ def _check(request: PlanRequest) -> None:
         raise ConfigError(f"--mesh {request.mesh!r}: use auto, dp,pp or pp,dp (outer dimension "
                           "first)")
     if request.recompute not in RECOMPUTE:
-        raise ConfigError(f"--recompute {request.recompute!r}: use one of {', '.join(RECOMPUTE)}"
-                          " (selective recomputation is not supported yet)")
+        raise ConfigError(f"--recompute {request.recompute!r}: use one of "
+                          f"{', '.join(RECOMPUTE)}")
     if len(request.devices) != request.gpus:
         raise ConfigError(f"--hardware lists {len(request.devices)} devices but --gpus is "
                           f"{request.gpus}; list one device per GPU")
@@ -146,7 +148,7 @@ def _infeasible(costs: Costs, layout: Layout) -> InfeasibleError:
     gpipe = (request.schedule == "gpipe"
              or request.global_batch // (layout.dp * micro_batch) < layout.pp)
     schedule = "gpipe" if gpipe else "1f1b"
-    recompute = request.recompute != "none"
+    recompute = request.recompute in ("auto", "full")
     e = unlimited(costs, Point(layout, micro_batch, schedule), "time", recompute)
     hint = ", --schedule 1f1b" if request.schedule == "gpipe" else ""
     recomputing = " with recomputation where it lowers a stage's memory" if recompute else ""
@@ -170,7 +172,7 @@ def _stage_plan(costs: Costs, e: Evaluated, k: int, a: int, b: int, split_s: flo
     m, sc = e.micro_batch, e.stage_costs
     # What the stage's calls take, as train.py --metrics times them: the runtime's time between
     # actions (StageCosts.extra_action_s) is the schedule's. A zero-bubble backward is two calls.
-    fwd = stage_fwd_s(sc, k, a, b)
+    fwd = stage_fwd_s(sc, k, a, b, recompute=e.recompute[k])
     bwd = stage_bwd_s(sc, k, a, b, e.recompute[k]) + split_s
     compute = fwd + bwd
     return StagePlan(

@@ -25,6 +25,7 @@ with as many processes as the training will run on this machine (pipec.measured 
 from __future__ import annotations
 
 import datetime
+import functools
 import logging
 import os
 import queue
@@ -67,13 +68,16 @@ class RuntimeFigures:
     split_backward_node_s: float  # what a split backward adds per autograd operation
     # Per DATA_PARALLEL_WIDTHS, what a data-parallel step adds to the same step without it.
     data_parallel_s: tuple[float, float]
+    # What selective recomputation adds per autograd operation, forward or recomputing.
+    selective_node_s: float
 
 
 def probe_runtime(processes: int, threads: int) -> RuntimeFigures:
     """Fork ``processes`` workers with ``threads`` threads each and measure; one process
     measures only itself (no links, no contention)."""
     if processes < 2:
-        return RuntimeFigures(1, 0.0, 0.0, 0.0, 0.0, 0.0, {}, 0.0, (0.0, 0.0))
+        return RuntimeFigures(1, 0.0, 0.0, 0.0, 0.0, 0.0, {}, 0.0, (0.0, 0.0),
+                              _selective_node_s())
     context = mp.get_context("fork")
     results = context.Queue()
     port = _free_port()
@@ -111,7 +115,7 @@ def _worker(rank: int, world: int, port: int, threads: int, results: Any) -> Non
                                 timeout=datetime.timedelta(seconds=TIMEOUT_S))
         figures = {"links": _links(rank),
                    "action": _action_overhead(rank), "schedules": _schedule_steps(rank),
-                   "split": _split_backward_node_s(),
+                   "split": _split_backward_node_s(), "selective": _selective_node_s(),
                    "allreduce": _allreduce_s(), "step": _step_s(),
                    "data_parallel": [_data_parallel_s(w) for w in DATA_PARALLEL_WIDTHS]}
         dist.destroy_process_group()
@@ -280,6 +284,44 @@ def _split_backward_node_s() -> float:
     return max(extra, 0.0) / nodes
 
 
+def _selective_node_s() -> float:
+    """Seconds per autograd operation that selective recomputation adds, each time it runs
+    (forward, then recomputing): its dispatch mode sees every operation in Python. A chain of
+    cheap operations it keeps none of, checkpointed selectively and in full: the same
+    operations run, twice each."""
+    from torch.utils.checkpoint import (
+        CheckpointPolicy,
+        checkpoint,
+        create_selective_checkpoint_contexts,
+    )
+
+    from pipec.measure import autograd_nodes
+
+    def chain(x: torch.Tensor) -> torch.Tensor:
+        for _ in range(32):
+            x = torch.tanh(x) * 1.01
+        return x
+
+    def recompute(*_: Any, **__: Any) -> CheckpointPolicy:
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    def run(selective: bool) -> Callable[[], None]:
+        context = functools.partial(create_selective_checkpoint_contexts, recompute)
+
+        def step() -> None:
+            x = torch.ones(8, 16, requires_grad=True)
+            if selective:
+                out = checkpoint(chain, x, use_reentrant=False, context_fn=context)
+            else:
+                out = checkpoint(chain, x, use_reentrant=False)
+            out.sum().backward()
+        return step
+
+    extra = _median_s(run(True), 20) - _median_s(run(False), 20)
+    nodes = autograd_nodes(chain(torch.ones(8, 16, requires_grad=True)))
+    return max(extra, 0.0) / (2 * nodes)
+
+
 def _timed(method: Callable[..., Any], busy: list[float]) -> Callable[..., Any]:
     def call(*args: Any, **kwargs: Any) -> Any:
         started = time.perf_counter()
@@ -357,7 +399,8 @@ def _combine(processes: int, figures: list[dict[str, Any]]) -> RuntimeFigures:
                            for s in figures[0]["schedules"]},
                           statistics.median(f["split"] for f in figures),
                    (max(f["data_parallel"][0] for f in figures),
-                    max(f["data_parallel"][1] for f in figures)))
+                    max(f["data_parallel"][1] for f in figures)),
+                   statistics.median(f["selective"] for f in figures))
 
 
 def _fit_link(one_way: dict[int, float]) -> tuple[float, float]:

@@ -18,7 +18,7 @@ def stage_table(plan: Plan) -> str:
     rows = [(s.index, s.device, module_list(s.modules), f"{s.params:,}", f"{s.fwd_flops / 1e9:.3f}",
              mib(s.activation_bytes, 2), mib(s.memory_bytes, 1),
              f"{s.time_s * 1e3:.3f}", mib(s.boundary_bytes, 3),
-             "yes" if s.recompute else "no") for s in plan.stages]
+             "no" if s.recompute == "none" else s.recompute) for s in plan.stages]
     headers = ("stage", "device", "modules", "params", "fwd GFLOP / micro-batch", "activations MiB",
                "peak memory MiB", "time ms / micro-batch", "boundary MiB", "recomputes")
     return tabulate(rows, headers, tablefmt="github")

@@ -74,14 +74,15 @@ class StageRole:
 
 
 def stage_memory(arrays: NodeArrays, start: int, end: int, role: StageRole,
-                 recompute: bool = False) -> StageMemory:
+                 recompute: str = "none") -> StageMemory:
     """The peak of the stage over nodes [start, end) under torch.distributed.pipelining:
     ``PipelineStage`` allocates a receive buffer per micro-batch for its input and for its
     output's gradient and keeps them across steps, caches each micro-batch's outputs until its
     backward, and the schedule splits the step's whole batch into micro-batches up front. A
     stage that ``recompute``s (torch.utils.checkpoint over its forward) keeps only its inputs,
     which are its receive buffers, and holds one micro-batch's activations while its backward
-    makes them again."""
+    makes them again; recomputing selectively, it also keeps the outputs of its expensive
+    operations for every micro-batch in flight."""
     m, f = role.micro_batches, role.in_flight
     received = 0.0 if role.first else m * arrays.boundary_bytes[start]
     gradients = 0.0 if role.last else m * arrays.boundary_bytes[end]
@@ -95,20 +96,25 @@ def stage_memory(arrays: NodeArrays, start: int, end: int, role: StageRole,
         working=float(working_bytes(arrays, role)[start:end].max(initial=0.0)),
         sent=_sent_bytes(arrays, start, end, role),
         unmade_gradients=-unmade_gradients(arrays, start, end)
-        if role.peaks_before_gradients and not recompute else 0.0,
+        if role.peaks_before_gradients and recompute == "none" else 0.0,
         kernels=arrays.kernels.span_bytes(start, end))
 
 
 def _activations(arrays: NodeArrays, start: int, end: int, in_flight: int,
-                 recompute: bool) -> float:
+                 recompute: str) -> float:
     """What the stage saves for backward: every micro-batch in flight's activations, or, when
     it recomputes, one micro-batch's (made again, with their own autograd graph) and the graph
-    of every micro-batch in flight, which stays (on a CPU)."""
+    of every micro-batch in flight, which stays (on a CPU), and (selective) what it keeps."""
     activations = float(arrays.activation_bytes[start:end].sum())
-    if not recompute:
+    if recompute == "none":
         return in_flight * activations
-    graph = float(arrays.graph_bytes[start:end].sum()) if arrays.graph_bytes.size else 0.0
-    return activations + in_flight * graph
+    kept = float(arrays.graph_bytes[start:end].sum()) if arrays.graph_bytes.size else 0.0
+    if recompute == "selective" and arrays.selective_bytes.size:
+        # Kept: the expensive outputs, less the stage's outputs the runtime holds anyway; made
+        # again: the rest of one micro-batch's activations.
+        activations -= float(arrays.selective_shared[start:end].sum())
+        kept += float(arrays.selective_bytes[start:end].sum()) - arrays.selective_held[end]
+    return activations + in_flight * kept
 
 
 def unmade_gradients(arrays: NodeArrays, start: int, end: int) -> float:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 
 # One thread per process: several training processes share this machine's two cores, and forked
@@ -16,6 +17,7 @@ import re
 import runpy
 import socket
 import sys
+from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -25,7 +27,9 @@ import torch
 import torch.distributed.pipelining
 import torch.multiprocessing as mp
 
+from pipec.costmodel import usable_memory
 from pipec.driver import CompileOptions, compile_model
+from pipec.hardware import load_devices
 from pipec.outdir import emitted_modules
 from pipec.planner import Plan
 
@@ -131,3 +135,23 @@ def emitted_train(out: Path) -> ModuleType:
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
     return module
+
+
+DEVICE = {"name": "gpu-like", "fp32_flops": 1e12, "bf16_flops": 1e12, "memory_bandwidth": 1e13,
+          "intra_node_bandwidth": 1e10, "inter_node_bandwidth": 1e9,
+          "intra_node_latency_s": 1e-6, "inter_node_latency_s": 1e-5,
+          "kernel_overhead_s": 1e-7, "efficiency": 0.5}
+
+
+def device_file(tmp_path: Path, usable: float | None = None) -> str:
+    """A GPU-like device file with 1 GiB, or with ``usable`` bytes usable (between two plans'
+    peaks, say)."""
+    path = tmp_path / f"device-{usable}.json"
+    path.write_text(json.dumps({**DEVICE, "memory_bytes": 2**30}))
+    if usable is not None:
+        device = load_devices(str(path), 1)[0]
+        at_zero = usable_memory(replace(device, memory_bytes=0))
+        per_gib = usable_memory(device) - at_zero
+        path.write_text(json.dumps({**DEVICE, "memory_bytes": int((usable - at_zero) / per_gib
+                                                                  * 2**30)}))
+    return str(path)

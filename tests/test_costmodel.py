@@ -13,8 +13,9 @@ from conftest import SAMPLES
 from pipec.annotate import annotate
 from pipec.costmodel import NodeArrays, Training, node_arrays
 from pipec.hardware import PRESETS
+from pipec.kernelruns import KernelRuns
 from pipec.loader import load_model_file
-from pipec.partition import KernelRuns, make_problem
+from pipec.partition import make_problem
 from pipec.partition import stage_memory as dp_stage_memory
 from pipec.stagememory import StageRole, ends_bytes, stage_memory, working_bytes
 from pipec.trace import trace_model

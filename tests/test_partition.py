@@ -5,11 +5,12 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pipec.kernelruns import KernelRuns
 from pipec.partition import (
-    KernelRuns,
     brute_force,
     make_problem,
     recomputed_memory,
@@ -45,16 +46,24 @@ def problems(draw: st.DrawFn) -> tuple:
     # Gradients (a part of static) that a stage peaking before them does not hold.
     gradients = static * np.array(draw(st.lists(st.floats(0.0, 1.0), min_size=n, max_size=n)))
     before = tuple(draw(st.booleans()) for _ in range(stages))
-    # Recomputation: not allowed, where the stage must, or always; some nodes may not run twice.
-    mode = draw(st.sampled_from(("none", "auto", "full")))
-    recompute = None if mode == "none" else np.array(
-        draw(st.lists(floats, min_size=n, max_size=n)))
+    # Recomputation: not allowed, where the stage must (the fastest that fits), or always in
+    # full or selectively; some nodes may not run twice.
+    mode = draw(st.sampled_from(("none", "auto", "full", "selective")))
+    recompute = np.array(draw(st.lists(floats, min_size=n, max_size=n))) \
+        if mode in ("auto", "full") else None
     unrecomputable = np.array(draw(st.lists(st.booleans(), min_size=n, max_size=n)), float)
-    # The part of the activations (autograd's graph) that a recomputing stage keeps.
+    # The part of the activations (autograd's graph) that a recomputing stage keeps, and what
+    # selective recomputation keeps besides, for what part of the forward again.
     graph = activation * np.array(draw(st.lists(st.floats(0.0, 1.0), min_size=n, max_size=n)))
+    kept = activation * np.array(draw(st.lists(st.floats(0.0, 1.0), min_size=n, max_size=n)))
+    shared = kept * np.array(draw(st.lists(st.floats(0.0, 1.0), min_size=n, max_size=n)))
+    held = np.array(draw(st.lists(st.floats(0.0, 1.0), min_size=n + 1, max_size=n + 1)))
+    selective = np.array(draw(st.lists(floats, min_size=n, max_size=n))) \
+        if mode in ("auto", "selective") else None
     return make_problem(costs, static, activation, cut_s, legal, capacity, in_flight,
                         enter, leave, working, gradients, before, recompute, unrecomputable,
-                        mode == "full", graph, draw(kernel_runs(n)))
+                        mode if mode in ("full", "selective") else "", graph,
+                        draw(kernel_runs(n)), selective, kept, shared, held)
 
 
 @st.composite
@@ -105,10 +114,11 @@ def test_dp_partition_is_valid_and_achieves_its_bottleneck(problem: object) -> N
     assert all(c is not None for c in chosen)
     assert tuple(c[1] for c in chosen if c) == result.recompute
     for s, (a, b) in enumerate(spans):
-        held = (recomputed_memory if result.recompute[s] else stage_memory)(
-            p, s, a, b)  # type: ignore[arg-type]
+        mode = result.recompute[s]
+        held = stage_memory(p, s, a, b) if mode == "none" else recomputed_memory(  # type: ignore[arg-type]
+            p, s, a, b, mode)  # type: ignore[arg-type]
         assert held <= p.capacity[s]  # type: ignore[attr-defined]
-        slower = result.recompute[s] and p.recompute_s is not None  # type: ignore[attr-defined]
+        slower = mode != "none"
         assert (chosen[s][0] >= stage_time(p, s, a, b)) if slower else (  # type: ignore[index, arg-type]
             chosen[s][0] == stage_time(p, s, a, b))  # type: ignore[index, arg-type]
     assert max(c[0] for c in chosen if c) == result.bottleneck
@@ -156,12 +166,29 @@ def test_a_stage_recomputes_only_where_it_must() -> None:
                            np.zeros(5), np.array([True, False, True, False, True]),
                            (4.0, 5.0), (2, 2), recompute=np.full(4, 0.5))
     result = solve(problem)
-    assert result is not None and result.recompute == (False, True)
+    assert result is not None and result.recompute == ("none", "full")
     assert result.bottleneck == 3.0
     stuck = make_problem(np.ones(4), np.zeros(4), np.array([1.0, 1.0, 4.0, 1.0]), np.zeros(5),
                          np.array([True, False, True, False, True]), (4.0, 5.0), (2, 2),
                          recompute=np.full(4, 0.5), unrecomputable=np.array([0, 0, 0, 1.0]))
     assert solve(stuck) is None
+
+
+def test_a_stage_recomputes_selectively_where_that_fits() -> None:
+    """As above, with selective recomputation allowed too (0.1 per node again): the second
+    stage keeps nothing more per micro-batch in flight and fits selectively (2 + 0.2); keeping
+    0.5 of its third node's for each of its 2 micro-batches it holds 6 > 5 and recomputes in
+    full (2 + 1.0)."""
+    def solved(kept: list[float]) -> tuple[tuple[str, ...], float]:
+        problem = make_problem(np.ones(4), np.zeros(4), np.array([1.0, 1.0, 4.0, 1.0]),
+                               np.zeros(5), np.array([True, False, True, False, True]),
+                               (4.0, 5.0), (2, 2), recompute=np.full(4, 0.5),
+                               selective=np.full(4, 0.1), selective_bytes=np.array(kept))
+        result = solve(problem)
+        assert result is not None and brute_force(problem) == result
+        return result.recompute, result.bottleneck
+    assert solved([0.0, 0.0, 0.0, 0.0]) == (("none", "selective"), pytest.approx(2.2))
+    assert solved([0.0, 0.0, 0.5, 0.0]) == (("none", "full"), 3.0)
 
 
 def test_the_dp_adds_memory_in_the_reference_order() -> None:

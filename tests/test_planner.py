@@ -423,7 +423,7 @@ def test_zero_bubble_plans_place_stages_and_count_memory_per_device(tmp_path: Pa
     for d in range(2):
         held = sum(s.memory_bytes for s in plan.stages if s.device == d)
         assert held < plan.device_memory_bytes[d] <= held + 2 * 2**20  # + the runtime's own
-    assert not any(s.recompute for s in plan.stages)
+    assert all(s.recompute == "none" for s in plan.stages)
     data = json.loads((tmp_path / "zbv" / "plan.json").read_text())
     assert data["schedule"] == "zbv" and data["virtual_stages"] == 2
     assert [s["device"] for s in data["stages"]] == [0, 1, 1, 0]

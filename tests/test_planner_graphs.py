@@ -219,10 +219,10 @@ def test_recomputation_raises_the_max_batch_by_the_terms_by_hand() -> None:
         assert chosen.max_batch[0] == MaxBatch("pipec", 626, False), mode
     quick = plan(_two_stages(), _request([_device(16 * MIB)] * 2, pp=2, schedule="gpipe",
                                          recompute="auto"))
-    assert [s.recompute for s in quick.stages] == [False, False]  # batch 16 fits as it is
+    assert [s.recompute for s in quick.stages] == ["none", "none"]  # batch 16 fits as it is
     full = plan(_two_stages(), _request([_device(16 * MIB)] * 2, pp=2, schedule="gpipe",
                                         recompute="full"))
-    assert [s.recompute for s in full.stages] == [True, True]
+    assert [s.recompute for s in full.stages] == ["full", "full"]
     assert [s.bwd_s for s in full.stages] == pytest.approx(
         [q.bwd_s + q.fwd_s for q in quick.stages])
 

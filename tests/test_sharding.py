@@ -5,15 +5,22 @@ process under zero2 and zero3, and whose sharded checkpoints any plan resumes.""
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from conftest import MODELS, SAMPLES, STEP_LINE, compile_to, run_forked, run_forked_text
-from pipec.costmodel import Training, allreduce_s, optimizer_s, usable_memory
+from conftest import (
+    MODELS,
+    SAMPLES,
+    STEP_LINE,
+    compile_to,
+    device_file,
+    run_forked,
+    run_forked_text,
+)
+from pipec.costmodel import Training, allreduce_s, optimizer_s
 from pipec.errors import ConfigError
-from pipec.hardware import PRESETS, load_devices
+from pipec.hardware import PRESETS
 from pipec.planning.sharding import HOST_BYTES, sharded_static_ratio
 
 ADAMW = {"optimizer": "adamw", "batch_size": 16}
@@ -61,36 +68,17 @@ def test_zero3_gathers_the_weights_again_for_each_micro_batch(tmp_path: Path) ->
     assert zero3.step_terms["all_reduce"] > zero2.step_terms["all_reduce"]
 
 
-DEVICE = {"name": "gpu-like", "fp32_flops": 1e12, "bf16_flops": 1e12, "memory_bandwidth": 1e13,
-          "intra_node_bandwidth": 1e10, "inter_node_bandwidth": 1e9,
-          "intra_node_latency_s": 1e-6, "inter_node_latency_s": 1e-5,
-          "kernel_overhead_s": 1e-7, "efficiency": 0.5}
-
-
-def _device(tmp_path: Path, usable: float | None = None) -> str:
-    """A device file with 1 GiB, or with ``usable`` bytes usable."""
-    path = tmp_path / f"device-{usable}.json"
-    path.write_text(json.dumps({**DEVICE, "memory_bytes": 2**30}))
-    if usable is not None:
-        device = load_devices(str(path), 1)[0]
-        at_zero = usable_memory(replace(device, memory_bytes=0))
-        per_gib = usable_memory(device) - at_zero
-        path.write_text(json.dumps({**DEVICE, "memory_bytes": int((usable - at_zero) / per_gib
-                                                                  * 2**30)}))
-    return str(path)
-
-
 def test_auto_shards_where_only_sharding_fits_and_not_otherwise(tmp_path: Path) -> None:
     options = {"gpus": 2, "pp": 1, "micro_batch": 8, **ADAMW}
-    roomy = compile_to(SAMPLES / "gpt.py", tmp_path / "auto", hardware=_device(tmp_path),
+    roomy = compile_to(SAMPLES / "gpt.py", tmp_path / "auto", hardware=device_file(tmp_path),
                        **options)
     assert roomy.fsdp == "off"  # no faster by more than the margin: DDP is simpler
     ddp, sharded = (max(compile_to(SAMPLES / "gpt.py", tmp_path / mode, fsdp=mode,
-                                   hardware=_device(tmp_path), **options).device_memory_bytes)
+                                   hardware=device_file(tmp_path), **options).device_memory_bytes)
                     for mode in ("off", "zero2"))
     assert sharded < ddp
     plan = compile_to(SAMPLES / "gpt.py", tmp_path / "tight",
-                      hardware=_device(tmp_path, (sharded + ddp) / 2), **options)
+                      hardware=device_file(tmp_path, (sharded + ddp) / 2), **options)
     assert plan.fsdp == "zero2"
 
 

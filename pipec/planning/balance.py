@@ -52,10 +52,10 @@ def _cache_key(point: Point, roles: tuple[StageRole, ...], balance: Balance) -> 
 
 def _place(costs: Costs, point: Point, roles: tuple[StageRole, ...], balance: Balance
            ) -> Placement | None:
-    plain = (False,) * point.layout.stages
+    plain = ("none",) * point.layout.stages
     if balance == "uniform":
         return uniform_boundaries(costs.legal, point.layout.stages), plain
-    if balance == "time_within_memory" and (costs.request.recompute != "full"
+    if balance == "time_within_memory" and (costs.request.recompute not in ("full", "selective")
                                             or point.schedule in ZERO_BUBBLE):
         fitting = _time_balance_if_it_fits(costs, point, roles)
         if fitting is not None:
@@ -103,8 +103,11 @@ def _problem(costs: Costs, point: Point, roles: tuple[StageRole, ...], balance: 
                         costs.legal, sc.stage_capacity(layout), flights, np.stack(enter),
                         np.stack(leave), working_bytes(arrays, roles[0]), arrays.gradient_bytes,
                         tuple(role.peaks_before_gradients for role in roles),
-                        None if mode == "none" else sc.fwd_s, costs.unrecomputable(layout),
-                        mode == "full", arrays.graph_bytes, arrays.kernels)
+                        sc.fwd_s if mode in ("auto", "full") else None,
+                        costs.unrecomputable(layout), mode if mode in ("full", "selective")
+                        else "", arrays.graph_bytes, arrays.kernels,
+                        sc.selective_s if mode in ("auto", "selective") else None,
+                        arrays.selective_bytes, arrays.selective_shared, arrays.selective_held)
 
 
 def uniform_boundaries(legal: np.ndarray, stages: int) -> tuple[int, ...]:

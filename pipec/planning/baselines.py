@@ -83,5 +83,6 @@ def _allowed(e: Evaluated, request: PlanRequest) -> bool:
     """Whether ``e`` keeps what the user fixed (a baseline never recomputes nor shards)."""
     mesh = "pp,dp" if e.layout.replicas_inner else "dp,pp"
     return (request.micro_batch in (None, e.micro_batch) and request.pp in (None, e.layout.pp)
-            and request.schedule in ("auto", e.schedule) and request.recompute != "full"
+            and request.schedule in ("auto", e.schedule)
+            and request.recompute not in ("full", "selective")
             and request.mesh in ("auto", mesh) and request.fsdp in ("auto", "off"))

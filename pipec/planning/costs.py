@@ -83,6 +83,24 @@ class StageCosts:
     # (n,): what splitting a node's backward (zero bubble) adds: its autograd operations ×
     # Device.split_backward_node_s (None: nothing).
     split_s: np.ndarray | None = None
+    # (n,): what selective recomputation adds to each pass over a node, forward and
+    # recomputing: its autograd operations × Device.selective_node_s (None: nothing).
+    selective_pass_s: np.ndarray | None = None
+
+    @property
+    def selective_again_s(self) -> np.ndarray:
+        """(stages, n): what selective recomputation runs again in the backward: the forward
+        of each node none of whose outputs it keeps (NodeArrays.selective_bytes), and its
+        pass over every node."""
+        again: np.ndarray = self.fwd_s * (self.arrays.selective_bytes == 0)
+        return again if self.selective_pass_s is None else again + self.selective_pass_s
+
+    @property
+    def selective_s(self) -> np.ndarray:
+        """(stages, n): all selective recomputation adds to a step's node: its pass in the
+        forward and what its backward runs again (the partition's cost of it)."""
+        extra = self.selective_again_s
+        return extra if self.selective_pass_s is None else extra + self.selective_pass_s
 
     def extra_action_s(self, schedule: str) -> float:
         """What an action of ``schedule`` costs the runtime beyond ``action_s``."""
@@ -98,8 +116,9 @@ class StageCosts:
 # What a boundary rule's answer depends on (balance.py builds it): the layout, the balance,
 # and for some rules the micro-batch size and the stages' roles.
 BoundaryKey = tuple[object, ...]
-# A boundary rule's answer: the stage boundaries, and per stage whether it recomputes.
-Placement = tuple[tuple[int, ...], tuple[bool, ...]]
+# A boundary rule's answer: the stage boundaries, and per stage its recomputation
+# (partition.RECOMPUTE_MODES).
+Placement = tuple[tuple[int, ...], tuple[str, ...]]
 
 
 def weight_shares(graph: CostGraph) -> np.ndarray:
@@ -175,8 +194,10 @@ class Costs:
         action = max(d.action_overhead_s for d in self.request.devices)
         overhead = (measured[0] * scale + action, measured[1] * scale + action)
         split = max(d.split_backward_node_s for d in self.request.devices) * self.autograd_nodes
+        selective = max(d.selective_node_s for d in self.request.devices) * self.autograd_nodes
         return StageCosts(fwd + bwd, fwd, bwd, arrays, cut, capacity, runtime, overhead,
-                          bwd * self.weight_share, action, self._schedule_action_s(), split)
+                          bwd * self.weight_share, action, self._schedule_action_s(), split,
+                          selective)
 
     @staticmethod
     def _sharding_host_bytes(layout: Layout, device: Device) -> float:

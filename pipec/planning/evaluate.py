@@ -38,7 +38,7 @@ class Evaluated:
     num_micro_batches: int  # per replica and step
     memory: tuple[float, ...]  # per position, the runtime's own bytes included
     stage_memory: tuple[StageMemory, ...]  # per stage
-    recompute: tuple[bool, ...]  # per stage: whether it recomputes its activations
+    recompute: tuple[str, ...]  # per stage: "none", "selective" or "full" (recomputation)
     iteration_s: float = float("nan")  # nan until ``timed``: only the memory was needed
 
     @property
@@ -80,8 +80,9 @@ def partition(costs: Costs, point: Point, balance: Balance, batch: int | None = 
     if recompute_all:  # where it may and it holds less (not on a stage with one in flight)
         unrecomputable = costs.unrecomputable(layout)
         recompute = tuple(
-            not unrecomputable[a:b].any() and stage_memory(sc.arrays, a, b, role, True).total
-            < stage_memory(sc.arrays, a, b, role).total
+            "full" if not unrecomputable[a:b].any()
+            and stage_memory(sc.arrays, a, b, role, "full").total
+            < stage_memory(sc.arrays, a, b, role).total else "none"
             for (a, b), role in zip(itertools.pairwise(bounds), roles, strict=True))
     stages = _kernels_once_per_device(sc, layout, bounds, tuple(
         stage_memory(sc.arrays, a, b, role, again)
@@ -223,24 +224,30 @@ def stage_times(e: Evaluated) -> tuple[list[float], list[float]]:
     its forward again), each with half the boundary."""
     sc = e.stage_costs
     spans = list(itertools.pairwise(e.boundaries))
-    fwd = [stage_fwd_s(sc, k, a, b, e.schedule) + float(sc.cut_s[k, b]) / 2
+    fwd = [stage_fwd_s(sc, k, a, b, e.schedule, e.recompute[k]) + float(sc.cut_s[k, b]) / 2
            for k, (a, b) in enumerate(spans)]
     bwd = [stage_bwd_s(sc, k, a, b, e.recompute[k], e.schedule) + float(sc.cut_s[k, b]) / 2
            for k, (a, b) in enumerate(spans)]
     return fwd, bwd
 
 
-def stage_fwd_s(sc: StageCosts, k: int, a: int, b: int, schedule: str = "") -> float:
+def stage_fwd_s(sc: StageCosts, k: int, a: int, b: int, schedule: str = "",
+                recompute: str = "none") -> float:
     """Stage k's forward over nodes [a, b), one micro-batch, the stage's own overhead and the
-    runtime's per action under ``schedule`` included."""
-    return float(sc.fwd_s[k, a:b].sum()) + sc.overhead_s[0] + sc.extra_action_s(schedule)
+    runtime's per action under ``schedule`` included (and selective recomputation's pass)."""
+    selective = (float(sc.selective_pass_s[a:b].sum())
+                 if recompute == "selective" and sc.selective_pass_s is not None else 0.0)
+    return (float(sc.fwd_s[k, a:b].sum()) + selective + sc.overhead_s[0]
+            + sc.extra_action_s(schedule))
 
 
-def stage_bwd_s(sc: StageCosts, k: int, a: int, b: int, recompute: bool = False,
+def stage_bwd_s(sc: StageCosts, k: int, a: int, b: int, recompute: str = "none",
                 schedule: str = "") -> float:
     """Stage k's backward over nodes [a, b), one micro-batch, the stage's own overhead included;
-    when it ``recompute``s, with its nodes' forward again."""
-    again = float(sc.fwd_s[k, a:b].sum()) if recompute else 0.0
+    when it ``recompute``s, with its nodes' forward again (selective: of the nodes whose
+    outputs it does not keep)."""
+    again = {"none": 0.0, "full": float(sc.fwd_s[k, a:b].sum()),
+             "selective": float(sc.selective_again_s[k, a:b].sum())}[recompute]
     return float(sc.bwd_s[k, a:b].sum()) + again + sc.overhead_s[1] + sc.extra_action_s(schedule)
 
 

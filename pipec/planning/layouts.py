@@ -143,7 +143,8 @@ def _schedules(request: PlanRequest) -> tuple[str, ...]:
     weights' gradient would need the activations recomputation dropped)."""
     if request.schedule != "auto":
         return (request.schedule,)
-    return tuple(s for s in SCHEDULES if request.recompute != "full" or s not in ZERO_BUBBLE)
+    return tuple(s for s in SCHEDULES
+                 if request.recompute not in ("full", "selective") or s not in ZERO_BUBBLE)
 
 
 def _virtual_stages(costs: Costs, schedule: str, pp: int) -> tuple[int, ...]:

@@ -32,7 +32,7 @@ class PlanRequest:
     # time model's measured error for its time source (pipec.planning.choice).
     margin: float | None = None
     norm: str = "auto"  # --norm: a synchronized BatchNorm costs an all-reduce per layer
-    recompute: str = "auto"  # --recompute: auto (where a stage must), none or full
+    recompute: str = "auto"  # --recompute: auto (where a stage must), none, full or selective
     mesh: str = "auto"  # --mesh: "dp,pp" (a replica's pipeline innermost), "pp,dp", or searched
     fsdp: str = "auto"  # --fsdp: off, zero2, zero3, or searched (auto: off or zero2)
 
@@ -55,7 +55,9 @@ class StagePlan:
     fwd_s: float = 0.0  # forward compute alone, one micro-batch
     bwd_s: float = 0.0  # backward compute alone, one micro-batch
     memory: StageMemory | None = None  # memory_bytes by term
-    recompute: bool = False  # keeps only its inputs; backward runs its forward again
+    # "full": keeps only its inputs, its backward runs its forward again; "selective": keeps the
+    # outputs of its expensive operations too and runs only the others again; or "none".
+    recompute: str = "none"
 
 
 @dataclass(frozen=True)
