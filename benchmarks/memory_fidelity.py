@@ -113,6 +113,10 @@ CASES = (
          ("--pp", "2", "--batch-size", "16", "--micro-batch", "2", "--schedule", "1f1b",
           "--optimizer", "adamw", "--fsdp", "zero3"),
          "FSDP under a pipeline: weights gathered again after each forward"),
+    Case("attention selective gpipe", "tests/models/manual_attention.py", 2,
+         ("--pp", "2", "--batch-size", "32", "--micro-batch", "4", "--schedule", "gpipe",
+          "--recompute", "selective"),
+         "selective recomputation: the products' outputs kept, the T × T scores made again"),
 )
 
 

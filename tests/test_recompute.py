@@ -13,7 +13,11 @@ from pathlib import Path
 import pytest
 
 from conftest import MODELS, SAMPLES, compile_to, device_file, run_forked
-from pipec.errors import ConfigError
+from pipec import planner
+from pipec.costmodel import usable_memory
+from pipec.driver import CompileOptions, analyze
+from pipec.errors import ConfigError, InfeasibleError
+from pipec.hardware import PRESETS
 
 
 def test_recomputing_stages_train_like_one_process(tmp_path: Path) -> None:
@@ -81,6 +85,7 @@ def test_zero_bubble_schedules_do_not_recompute(mode: str, tmp_path: Path) -> No
 
 
 ATTENTION = MODELS / "manual_attention.py"
+ZOO = Path(__file__).resolve().parent.parent / "benchmarks" / "zoo"
 GPIPE_8 = {"gpus": 2, "batch_size": 32, "micro_batch": 4, "schedule": "gpipe"}
 
 
@@ -125,3 +130,20 @@ def test_auto_takes_the_fastest_recomputation_that_fits(tmp_path: Path) -> None:
                           hardware=device_file(tmp_path, between), **GPIPE_8)
         modes = {s.recompute for s in plan.stages}
         assert expected in modes and (expected == "full" or "full" not in modes), modes
+
+
+def test_llama_70b_plans_on_32_a100s_by_recomputing(tmp_path: Path) -> None:
+    """LLaMA-2-70B's shape, AdamW, bf16, batch 64 on 32 × a100-80g over 4 nodes (docs/planner.md):
+    nothing fits without recomputation; with it every device fits, most stages recomputing in
+    full and some selectively."""
+    options = {"model": ZOO / "llama2_70b.py", "out": tmp_path / "o", "gpus": 32, "nodes": 4,
+               "batch_size": 64, "hardware": "a100-80g", "optimizer": "adamw",
+               "precision": "bf16", "measure": "off", "pp": 32}
+    analyzed = analyze(CompileOptions(**options))  # type: ignore[arg-type]
+    plan = planner.plan(analyzed.graph, analyzed.request)
+    assert max(plan.device_memory_bytes) <= usable_memory(PRESETS["a100-80g"])
+    modes = [s.recompute for s in plan.stages]
+    assert modes.count("full") > len(modes) / 2 and "selective" in modes
+    bare = analyze(CompileOptions(**{**options, "recompute": "none"}))  # type: ignore[arg-type]
+    with pytest.raises(InfeasibleError, match="no split fits"):
+        planner.plan(bare.graph, bare.request)

@@ -18,12 +18,15 @@ from conftest import (
     run_forked,
     run_forked_text,
 )
-from pipec.costmodel import Training, allreduce_s, optimizer_s
+from pipec import planner
+from pipec.costmodel import Training, allreduce_s, optimizer_s, usable_memory
+from pipec.driver import CompileOptions, analyze
 from pipec.errors import ConfigError
 from pipec.hardware import PRESETS
 from pipec.planning.sharding import HOST_BYTES, sharded_static_ratio
 
 ADAMW = {"optimizer": "adamw", "batch_size": 16}
+ZOO = Path(__file__).resolve().parent.parent / "benchmarks" / "zoo"
 
 
 def test_a_sharded_stage_keeps_its_weights_and_gradients_whole_and_the_rest_sharded() -> None:
@@ -103,6 +106,7 @@ def _losses(out: Path, processes: int, *args: str) -> list[float]:
 
 @pytest.mark.parametrize(("mode", "model", "gpus", "pp"), [
     ("zero2", "tied_gpt", 4, 2),  # the tied embedding and head on two devices, both sharded
+    ("zero3", "tied_gpt", 4, 2),
     ("zero3", "tied_gpt", 2, 1),
 ])
 def test_sharded_plans_train_like_one_process(mode: str, model: str, gpus: int, pp: int,
@@ -130,3 +134,14 @@ def test_a_sharded_checkpoint_resumes_on_another_plan(tmp_path: Path) -> None:
     resumed = [(int(k), float(v)) for k, v in STEP_LINE.findall(text)]
     assert [k for k, _ in resumed] == [3, 4], text
     assert [v for _, v in resumed] == pytest.approx(expected[2:], rel=1e-5)
+
+
+def test_llama_7b_shards_on_8_a100s(tmp_path: Path) -> None:
+    """LLaMA-2-7B's shape, AdamW, bf16 (benchmarks/planner.py --levers-only): sharding AdamW's
+    state and the master weights over 4 replicas lets 2 pipeline devices hold it."""
+    analyzed = analyze(CompileOptions(model=ZOO / "llama2_7b.py", out=tmp_path / "o", gpus=8,
+                                      batch_size=64, hardware="a100-80g", optimizer="adamw",
+                                      precision="bf16", measure="off"))
+    plan = planner.plan(analyzed.graph, analyzed.request)
+    assert (plan.pp, plan.dp, plan.fsdp) == (2, 4, "zero2")
+    assert max(plan.device_memory_bytes) <= usable_memory(PRESETS["a100-80g"])
