@@ -84,7 +84,8 @@ class Entry:
         p = self.plan
         schedule = p["schedule"] + (f" v={p['virtual_stages']}" if p["virtual_stages"] > 1
                                     else "")
-        return f"{p['pp']}×{p['dp']}, m {p['micro_batch']}, {schedule}"
+        sharded = "" if p.get("fsdp", "off") == "off" else f", FSDP {p['fsdp']}"
+        return f"{p['pp']}×{p['dp']}, m {p['micro_batch']}, {schedule}{sharded}"
 
 
 def compile_case(case: Case, work: Path, candidates: int) -> list[Entry]:
@@ -100,7 +101,8 @@ def compile_case(case: Case, work: Path, candidates: int) -> list[Entry]:
         # One stage runs every schedule alike.
         schedule = plan["schedule"] if plan["pp"] > 1 else "-"
         key = json.dumps([plan["pp"], plan["dp"], plan["micro_batch"], schedule,
-                          plan["virtual_stages"], [s["nodes"] for s in plan["stages"]]])
+                          plan["virtual_stages"], [s["nodes"] for s in plan["stages"]],
+                          plan["fsdp"], [s["recompute"] for s in plan["stages"]]])
         if key in entries:
             entries[key].roles.append(role)
         else:
@@ -110,7 +112,7 @@ def compile_case(case: Case, work: Path, candidates: int) -> list[Entry]:
     pick = add("pipec", [])
     for rank, c in enumerate(next_candidates(pick, candidates), start=2):
         flags = ["--pp", str(c["pp"]), "--micro-batch", str(c["micro_batch"]),
-                 "--schedule", c["schedule"]]
+                 "--schedule", c["schedule"], "--fsdp", c["fsdp"]]
         if c["virtual_stages"] > 1:
             flags += ["--virtual-stages", str(c["virtual_stages"])]
         add(f"#{rank}", flags)
@@ -134,7 +136,7 @@ def next_candidates(plan: dict[str, Any], count: int) -> list[dict[str, Any]]:
 
 def _point(c: dict[str, Any]) -> tuple[Any, ...]:
     return (c["pp"], c["dp"], c["micro_batch"], c["schedule"] if c["pp"] > 1 else "-",
-            c["virtual_stages"])
+            c["virtual_stages"], c["fsdp"])
 
 
 def train(entry: Entry, processes: int, steps: int) -> float:

@@ -8,6 +8,8 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from conftest import (
     MODELS,
@@ -115,22 +117,32 @@ def test_sharded_plans_train_like_one_process(mode: str, model: str, gpus: int, 
     plan = compile_to(MODELS / f"{model}.py", tmp_path / mode, gpus=gpus, pp=pp, fsdp=mode,
                       **ADAMW)
     assert (plan.fsdp, plan.dp) == (mode, 2)
-    expected = _losses(tmp_path / "one", 1)
+    expected = _losses(tmp_path / "one", 1, "--save-model", str(tmp_path / "one.safetensors"))
     assert len(set(expected)) > 1
-    assert _losses(tmp_path / mode, gpus) == pytest.approx(expected, rel=1e-5)
+    assert _losses(tmp_path / mode, gpus, "--save-model", str(tmp_path / "sharded.safetensors")
+                   ) == pytest.approx(expected, rel=1e-5)
+    # --save-model gathers each sharded tensor whole: the same model as one process's.
+    one, sharded = (load_file(tmp_path / f"{name}.safetensors") for name in ("one", "sharded"))
+    assert one.keys() == sharded.keys()
+    for key, tensor in one.items():
+        torch.testing.assert_close(sharded[key], tensor, rtol=1e-4, atol=1e-6)
 
 
-def test_a_sharded_checkpoint_resumes_on_another_plan(tmp_path: Path) -> None:
-    """The zero2 plan saves its shards at step 2; one process resumes them and its steps 3 and
-    4 are those of an uninterrupted run."""
+@pytest.mark.parametrize(("saver", "resumer"), [("z2", "one"), ("one", "z2")])
+def test_a_sharded_checkpoint_resumes_on_another_plan(saver: str, resumer: str,
+                                                      tmp_path: Path) -> None:
+    """The zero2 plan saves its shards at step 2 and one process resumes them, or the other
+    way round: steps 3 and 4 are those of an uninterrupted run."""
     compile_to(MODELS / "tied_gpt.py", tmp_path / "one", gpus=1, **ADAMW)
     compile_to(MODELS / "tied_gpt.py", tmp_path / "z2", gpus=4, pp=2, fsdp="zero2", **ADAMW)
+    processes = {"one": 1, "z2": 4}
     expected = _losses(tmp_path / "one", 1)
     checkpoints = str(tmp_path / "checkpoints")
-    run_forked(tmp_path / "z2", 4, "--steps", "2", "--seed", "3", "--clip-norm", "0.05",
-               "--checkpoint-dir", checkpoints, "--checkpoint-every", "2")
-    text = run_forked_text(tmp_path / "one", 1, "--steps", "4", "--seed", "3", "--clip-norm",
-                           "0.05", "--checkpoint-dir", checkpoints, "--resume")
+    run_forked(tmp_path / saver, processes[saver], "--steps", "2", "--seed", "3",
+               "--clip-norm", "0.05", "--checkpoint-dir", checkpoints, "--checkpoint-every", "2")
+    text = run_forked_text(tmp_path / resumer, processes[resumer], "--steps", "4", "--seed",
+                           "3", "--clip-norm", "0.05", "--checkpoint-dir", checkpoints,
+                           "--resume")
     resumed = [(int(k), float(v)) for k, v in STEP_LINE.findall(text)]
     assert [k for k, _ in resumed] == [3, 4], text
     assert [v for _, v in resumed] == pytest.approx(expected[2:], rel=1e-5)
