@@ -87,6 +87,18 @@ def test_auto_shards_where_only_sharding_fits_and_not_otherwise(tmp_path: Path) 
     assert plan.fsdp == "zero2"
 
 
+def test_sharding_raises_pipecs_max_batch(tmp_path: Path) -> None:
+    """On 4 devices of 2.7 MiB with AdamW, sharding frees the GPT's optimizer state: 172
+    samples per step fit instead of 116 (the baselines never shard)."""
+    small = device_file(tmp_path, 2.7 * 2**20)
+    plans = {mode: compile_to(SAMPLES / "gpt.py", tmp_path / mode, gpus=4, pp=None,
+                              batch_size=16, hardware=small, fsdp=mode, optimizer="adamw")
+             for mode in ("off", "auto")}
+    assert plans["auto"].fsdp == "zero2"
+    assert plans["auto"].max_batch[0].batch > plans["off"].max_batch[0].batch
+    assert plans["auto"].max_batch[1:] == plans["off"].max_batch[1:]
+
+
 @pytest.mark.parametrize(("options", "message"), [
     ({"fsdp": "zero1"}, r"--fsdp 'zero1': use one of auto, off, zero2, zero3"),
     ({"fsdp": "zero2", "gpus": 2, "pp": 2}, r"--fsdp zero2 shards .* 1 replica"),

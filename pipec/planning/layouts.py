@@ -73,7 +73,7 @@ def points(costs: Costs, layouts: list[Layout]) -> list[Point]:
                 found += [Point(Layout(pp, dp, v, schedule == "zbv", inner, fsdp), m, schedule)
                           for v in _virtual_stages(costs, schedule, pp)
                           for inner in _rank_orders(request, layout)
-                          for fsdp in _fsdp_modes(costs, layout, schedule, v)
+                          for fsdp in fsdp_modes(costs, layout, schedule, v)
                           if runs(schedule, pp, replica_batch // m, v)]
     if not found and request.fsdp in SHARDED:
         raise _no_sharding(request, layouts)
@@ -82,7 +82,7 @@ def points(costs: Costs, layouts: list[Layout]) -> list[Point]:
     return found
 
 
-def _fsdp_modes(costs: Costs, layout: Layout, schedule: str, virtual: int) -> tuple[str, ...]:
+def fsdp_modes(costs: Costs, layout: Layout, schedule: str, virtual: int) -> tuple[str, ...]:
     """The sharding searched at a point (planning.sharding): only with replicas to shard over,
     one stage per device (FSDP units must not share a parameter, as a device's stages may) and
     a full backward (torch's zero-bubble schedules make the weights' gradients apart); never

@@ -1,13 +1,16 @@
 """The largest global batch each strategy trains within memory: pipec over every pp × dp it may
-pick, the partition baselines on pipec's, conventional on its own pipeline. Each is tried in its
+pick (sharded where it may shard), the partition baselines on pipec's, conventional on its own
+pipeline. Each is tried in its
 leanest setting; the search doubles the batch, then bisects, up to a limit."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from pipec.planning.balance import BALANCE, STRATEGIES
 from pipec.planning.costs import Costs, Layout, Point
 from pipec.planning.evaluate import partition
-from pipec.planning.layouts import conventional_layout, layouts_to_search
+from pipec.planning.layouts import conventional_layout, fsdp_modes, layouts_to_search
 from pipec.planning.values import MaxBatch
 from pipec.schedule import runs
 
@@ -23,8 +26,9 @@ def max_batches(costs: Costs, searched: Layout, limit: int) -> tuple[MaxBatch, .
 
 
 def _layouts(costs: Costs, strategy: str, searched: Layout) -> list[Layout]:
-    if strategy == "pipec":
-        return layouts_to_search(costs)
+    if strategy == "pipec":  # sharded too, where pipec may shard (the baselines never do)
+        return [replace(layout, fsdp=mode) for layout in layouts_to_search(costs)
+                for mode in fsdp_modes(costs, layout, "1f1b", 1)]
     if strategy == "conventional":
         return [conventional_layout(costs)]
     return [searched]
