@@ -102,7 +102,8 @@ def _add_compile(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
                    "leaving each group at least 16 values)")
     p.add_argument("--recompute", choices=RECOMPUTE, default="auto",
                    help="activation recomputation per stage: auto (where a stage does not fit "
-                   "otherwise), none, or full (every stage that may)")
+                   "otherwise, in full or selectively, whichever is faster), none, full or "
+                   "selective (every stage that may; selective keeps the products' outputs)")
     p.add_argument("--fsdp", choices=FSDP_MODES, default="auto",
                    help="sharded data parallelism over each stage's replicas (FSDP2): off "
                    "(DDP), zero2, zero3, or auto (zero2 where it is faster or the only fit)")

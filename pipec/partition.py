@@ -31,7 +31,7 @@ import numpy as np
 
 from pipec.kernelruns import KernelRuns
 
-# A stage's recomputation (plan.json stages[k].recompute), fastest first.
+# A stage's recomputation (plan.json stages[k].recompute).
 RECOMPUTE_MODES = ("none", "selective", "full")
 
 
@@ -316,6 +316,8 @@ class _Grid:
         p = self.p
         plain = self.time(stage, ends, starts)
         capacity = p.capacity[stage]
+        if capacity == np.inf and not (p.always and _recomputations(p)):
+            return plain  # everything fits, and nothing must recompute
         # What a span holds either way (weights, its ends, its largest working set), gathered
         # once; added in stage_memory's order, so that the sums round as the reference's do.
         static = self.static[ends][:, None] - self.static[starts]
