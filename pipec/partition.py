@@ -333,6 +333,9 @@ class _Grid:
         unrecomputable = p.unrecomputable[self.cuts]
         may = unrecomputable[ends][:, None] == unrecomputable[starts]
         cost: np.ndarray = np.where(fits, plain, np.inf)
+        recomputes = may & (bool(p.always) | ~fits)
+        if not _recomputations(p) or not recomputes.any():
+            return cost
         recomputed = np.full(fits.shape, np.inf)
         graph = self.graph[ends][:, None] - self.graph[starts]
         for mode, extra in _recomputations(p):
@@ -346,9 +349,6 @@ class _Grid:
             slower = plain + (extra[stage, self.cuts][ends][:, None]
                               - extra[stage, self.cuts][starts])  # as stage_choice rounds
             recomputed = np.minimum(recomputed, np.where(fits_mode, slower, np.inf))
-        if not _recomputations(p):
-            return cost
-        recomputes = may & (bool(p.always) | ~fits)
         chosen: np.ndarray = np.where(recomputes, recomputed, cost)
         return chosen
 

@@ -7,6 +7,7 @@ nothing (equal layer counts); pipec balances time within each device's memory.
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 from typing import Literal
 
 import numpy as np
@@ -42,7 +43,10 @@ def boundaries(costs: Costs, point: Point, roles: tuple[StageRole, ...], balance
 
 
 def _cache_key(point: Point, roles: tuple[StageRole, ...], balance: Balance) -> BoundaryKey:
-    key: BoundaryKey = (point.layout, balance)
+    # Only the memory limit sees sharding: the other rules share one answer across it.
+    layout = point.layout if balance == "time_within_memory" else replace(point.layout,
+                                                                          fsdp="off")
+    key: BoundaryKey = (layout, balance)
     if balance != "uniform" and balance != "parameters":
         key += (point.micro_batch,)
     if balance == "time_within_memory":

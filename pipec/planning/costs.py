@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -87,7 +88,7 @@ class StageCosts:
     # recomputing: its autograd operations × Device.selective_node_s (None: nothing).
     selective_pass_s: np.ndarray | None = None
 
-    @property
+    @functools.cached_property
     def selective_again_s(self) -> np.ndarray:
         """(stages, n): what selective recomputation runs again in the backward: the forward
         of each node none of whose outputs it keeps (NodeArrays.selective_bytes), and its
@@ -95,7 +96,7 @@ class StageCosts:
         again: np.ndarray = self.fwd_s * (self.arrays.selective_bytes == 0)
         return again if self.selective_pass_s is None else again + self.selective_pass_s
 
-    @property
+    @functools.cached_property
     def selective_s(self) -> np.ndarray:
         """(stages, n): all selective recomputation adds to a step's node: its pass in the
         forward and what its backward runs again (the partition's cost of it)."""

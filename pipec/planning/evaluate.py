@@ -246,8 +246,8 @@ def stage_bwd_s(sc: StageCosts, k: int, a: int, b: int, recompute: str = "none",
     """Stage k's backward over nodes [a, b), one micro-batch, the stage's own overhead included;
     when it ``recompute``s, with its nodes' forward again (selective: of the nodes whose
     outputs it does not keep)."""
-    again = {"none": 0.0, "full": float(sc.fwd_s[k, a:b].sum()),
-             "selective": float(sc.selective_again_s[k, a:b].sum())}[recompute]
+    again = (0.0 if recompute == "none" else float(sc.fwd_s[k, a:b].sum()) if recompute == "full"
+             else float(sc.selective_again_s[k, a:b].sum()))
     return float(sc.bwd_s[k, a:b].sum()) + again + sc.overhead_s[1] + sc.extra_action_s(schedule)
 
 

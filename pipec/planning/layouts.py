@@ -3,10 +3,11 @@ that the request allows, checked against the devices, the batch and the model's 
 
 from __future__ import annotations
 
+from pipec.costmodel import static_ratio
 from pipec.errors import ConfigError
 from pipec.normalize import resolve_norm
 from pipec.planning.costs import Costs, Layout, Point
-from pipec.planning.sharding import SHARDED
+from pipec.planning.sharding import SHARDED, sharded_static_ratio
 from pipec.planning.values import PlanRequest
 from pipec.schedule import SCHEDULES, ZERO_BUBBLE, runs
 
@@ -87,13 +88,19 @@ def fsdp_modes(costs: Costs, layout: Layout, schedule: str, virtual: int) -> tup
     one stage per device (FSDP units must not share a parameter, as a device's stages may) and
     a full backward (torch's zero-bubble schedules make the weights' gradients apart); never
     where plain BatchNorm is kept across replicas (FSDP, unlike DDP, does not broadcast the
-    running statistics). ``auto`` searches zero2: zero3 holds as much at the peak."""
+    running statistics). ``auto`` searches zero2 where it holds less than DDP (SGD on 2
+    replicas holds as much: its bytes move alike, and a more complex plan must win by the
+    margin); zero3 holds as much as zero2 at the peak."""
     request = costs.request
     if (layout.dp == 1 or virtual > 1 or schedule in ZERO_BUBBLE
             or (resolve_norm(request.norm, layout.pp, layout.dp) == "keep"
                 and costs.graph_has_batch_norm)):
         return () if request.fsdp in SHARDED else ("off",)
-    return ("off", "zero2") if request.fsdp == "auto" else (request.fsdp,)
+    if request.fsdp != "auto":
+        return (request.fsdp,)
+    lighter = (sharded_static_ratio(request.training, layout.dp)
+               < static_ratio(request.training))
+    return ("off", "zero2") if lighter else ("off",)
 
 
 def _no_sharding(request: PlanRequest, layouts: list[Layout]) -> ConfigError:

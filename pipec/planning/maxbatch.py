@@ -7,10 +7,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from pipec.costmodel import static_ratio
 from pipec.planning.balance import BALANCE, STRATEGIES
 from pipec.planning.costs import Costs, Layout, Point
 from pipec.planning.evaluate import partition
 from pipec.planning.layouts import conventional_layout, fsdp_modes, layouts_to_search
+from pipec.planning.sharding import sharded_static_ratio
 from pipec.planning.values import MaxBatch
 from pipec.schedule import runs
 
@@ -26,12 +28,24 @@ def max_batches(costs: Costs, searched: Layout, limit: int) -> tuple[MaxBatch, .
 
 
 def _layouts(costs: Costs, strategy: str, searched: Layout) -> list[Layout]:
-    if strategy == "pipec":  # sharded too, where pipec may shard (the baselines never do)
-        return [replace(layout, fsdp=mode) for layout in layouts_to_search(costs)
-                for mode in fsdp_modes(costs, layout, "1f1b", 1)]
+    if strategy == "pipec":  # sharded where pipec may shard (the baselines never do)
+        leanest = (_leanest(costs, layout) for layout in layouts_to_search(costs))
+        return [layout for layout in leanest if layout is not None]
     if strategy == "conventional":
         return [conventional_layout(costs)]
     return [searched]
+
+
+def _leanest(costs: Costs, layout: Layout) -> Layout | None:
+    """``layout`` sharded or not, whichever keeps fewer bytes per weight (None: the request
+    allows neither, as when --fsdp is forced and the layout cannot shard)."""
+    modes = fsdp_modes(costs, layout, "1f1b", 1)
+    if not modes:
+        return None
+    training, dp = costs.request.training, layout.dp
+    lean = min(modes, key=lambda m: (static_ratio(training) if m == "off"
+                                     else sharded_static_ratio(training, dp), m != "off"))
+    return replace(layout, fsdp=lean)
 
 
 def _batch_unit(strategy: str, layout: Layout) -> int:
