@@ -107,12 +107,20 @@ def _context(spec: ModelSpec, traced: Traced, plan: Plan, norms: NormPlan,
         "predicted_iteration": duration(plan.iteration_s),
         "predicted_throughput": f"{plan.samples_per_s:,.1f}",
         "predicted_bubble": f"{plan.idle_share:.1%}",
-        "step_terms": ", ".join(f"{name.replace('_', '-')} {duration(seconds)}"
+        "step_terms": ", ".join(f"{_term_label(name, plan)} {duration(seconds)}"
                                 for name, seconds in plan.step_terms.items()),
         "time_source": _time_source(request) + _runtime_overhead(request, plan.schedule),
         "run_commands": run_commands(plan), "norm_choice": norms.choice,
         "plan_id": identity,
     }
+
+
+def _term_label(name: str, plan: Plan) -> str:
+    """A step term's name in the report (plan.json keeps the key): under FSDP the data-parallel
+    term is its all-gathers and reduce-scatter."""
+    if name == "all_reduce" and plan.fsdp != "off":
+        return "FSDP all-gathers and reduce-scatter"
+    return name.replace("_", "-")
 
 
 def _time_source(request: PlanRequest) -> str:

@@ -118,8 +118,9 @@ def timed(costs: Costs, e: Evaluated) -> Evaluated:
 
 def step_terms(costs: Costs, e: Evaluated) -> dict[str, float]:
     """What a step takes besides its schedule (plan.json ``predicted.step_terms``): the
-    gradient all-reduce, then the optimizer step, making the step's data and the runtime's
-    own time per step, each the slowest position's."""
+    gradient all-reduce (under FSDP, its all-gathers and reduce-scatter), then the optimizer
+    step, making the step's data and the runtime's own time per step, each the slowest
+    position's."""
     return {"all_reduce": sync_s(costs, e), "optimizer": _optimizer_s(costs, e),
             "data": data_s(costs), "runtime": step_overhead_s(costs)}
 
