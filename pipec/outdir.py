@@ -63,7 +63,8 @@ def _replace(staging: Path, out: Path) -> None:
     shutil.rmtree(retired, ignore_errors=True)
 
 
-_EMITTED = ("model", "stages", "weights", "checkpoints", "metrics", "data", "gradients")
+_EMITTED = ("model", "stages", "weights", "checkpoints", "metrics", "data", "gradients",
+            "pipeline")
 
 
 @contextlib.contextmanager
