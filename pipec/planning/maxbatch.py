@@ -7,12 +7,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from pipec.costmodel import static_ratio
 from pipec.planning.balance import BALANCE, STRATEGIES
 from pipec.planning.costs import Costs, Layout, Point
 from pipec.planning.evaluate import partition
 from pipec.planning.layouts import conventional_layout, fsdp_modes, layouts_to_search
-from pipec.planning.sharding import sharded_static_ratio
 from pipec.planning.values import MaxBatch
 from pipec.schedule import runs
 
@@ -37,15 +35,11 @@ def _layouts(costs: Costs, strategy: str, searched: Layout) -> list[Layout]:
 
 
 def _leanest(costs: Costs, layout: Layout) -> Layout | None:
-    """``layout`` sharded or not, whichever keeps fewer bytes per weight (None: the request
-    allows neither, as when --fsdp is forced and the layout cannot shard)."""
+    """``layout`` as it holds least: sharded where pipec may shard it (auto searches sharding
+    only where it holds less, layouts.fsdp_modes), else as it is (None: the request allows
+    neither, as when --fsdp is forced and the layout cannot shard)."""
     modes = fsdp_modes(costs, layout, "1f1b", 1)
-    if not modes:
-        return None
-    training, dp = costs.request.training, layout.dp
-    lean = min(modes, key=lambda m: (static_ratio(training) if m == "off"
-                                     else sharded_static_ratio(training, dp), m != "off"))
-    return replace(layout, fsdp=lean)
+    return replace(layout, fsdp=modes[-1]) if modes else None
 
 
 def _batch_unit(strategy: str, layout: Layout) -> int:
