@@ -10,7 +10,8 @@ the OS (see docs/runtime.md). The target is every device within ±15 %.
     python benchmarks/memory_fidelity.py [--steps 3] [--only NAME ...] [--check]
 
 `--check` exits 1 when a device misses the target. `--max-batch` also checks one predicted
-maximum batch for real: the long-sequence LM on 2 pipeline devices (1F1B) of a
+maximum batch for real: the long-sequence LM on 2 pipeline devices (GPipe, where every
+micro-batch is in flight: under 1F1B only the step's token ids grow with the batch) of a
 `--device-mib`-sized device; the largest batch pipec reports is run, its measured peak must stay
 within the device, and the next batch must be refused. `--largest-micro-batch` does the same on
 one device of `--hardware` (a GPU preset on a GPU machine, the check of benchmarks/gpu_check.sh):
@@ -148,8 +149,8 @@ def check_max_batch(work: Path, device_mib: int, steps: int) -> None:
     # The cpu preset, with a smaller memory: what the runtime holds stays as measured here.
     device.write_text(json.dumps({**asdict(PRESETS["cpu"]), "name": f"cpu-{device_mib}m",
                                   "memory_bytes": device_mib * MIB, "process_bytes": 0}))
-    fixed = ["--gpus", "2", "--pp", "2", "--schedule", "1f1b", "--hardware", str(device)]
-    run([*PIPEC, "compile", model, *fixed, "--batch-size", "2", "-o", str(work / "search")])
+    fixed = ["--gpus", "2", "--pp", "2", "--schedule", "gpipe", "--hardware", str(device)]
+    run([*PIPEC, "compile", model, *fixed, "--batch-size", "4", "-o", str(work / "search")])
     largest = json.loads((work / "search" / "plan.json").read_text())["max_batch"]["pipec"]
     out = work / "largest"
     run([*PIPEC, "compile", model, *fixed, "--batch-size", str(largest), "--micro-batch", "1",
@@ -162,7 +163,7 @@ def check_max_batch(work: Path, device_mib: int, steps: int) -> None:
     refused = subprocess.run([*PIPEC, "compile", model, *fixed, "--batch-size", str(largest + 2),
                               "--micro-batch", "1", "-o", str(work / "next")], env=env,
                              capture_output=True, text=True, check=False)
-    print(f"\nmax batch on 2 × {device_mib} MiB devices (long-lm, pp 2, 1F1B): pipec reports "
+    print(f"\nmax batch on 2 × {device_mib} MiB devices (long-lm, pp 2, GPipe): pipec reports "
           f"{largest}; run at {largest}:")
     for rank in sorted(metrics["ranks"], key=lambda r: r["device"]):
         predicted = plan["predicted"]["peak_memory_bytes"][rank["device"]]

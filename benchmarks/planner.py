@@ -40,11 +40,13 @@ ENTRIES = (
 )
 
 
-# LLaMA-2 shapes, AdamW, bf16: (model file, devices, nodes, preset, global batch).
+# LLaMA-2 shapes, AdamW, bf16: (model file, devices, nodes, preset, global batch). The 70B
+# model also at LLaMA-2's own batch, 4M tokens (1,024 sequences of 4,096).
 LEVERS = (
     (ZOO / "llama2_7b.py", 8, 1, "a100-80g", 64),
     (ZOO / "llama2_13b.py", 16, 2, "a100-80g", 64),
     (ZOO / "llama2_70b.py", 32, 4, "a100-80g", 64),
+    (ZOO / "llama2_70b.py", 32, 4, "a100-80g", 1024),
 )
 A100_BF16_FLOPS = 312e12
 

@@ -225,8 +225,8 @@ def solve(p: Problem) -> Partition | None:
     if cuts[0] != 0 or cuts[-1] != p.num_nodes:
         raise ValueError("the first and the last position must be legal cuts")
     k, stages = len(cuts), p.num_stages
-    if stages > k - 1:
-        return None  # fewer legal spans than stages
+    if stages > k - 1 or least_bytes(p) > sum(p.capacity):
+        return None  # fewer legal spans than stages, or the model cannot fit however cut
     grid = _Grid(p, cuts, _upper_bound(p, cuts))
     best = np.full(k, np.inf)
     best[0] = 0.0
@@ -251,6 +251,21 @@ def solve(p: Problem) -> Partition | None:
     bounds = _backtrack(choices, cuts)
     chosen = [stage_choice(p, s, a, b) for s, (a, b) in enumerate(itertools.pairwise(bounds))]
     return Partition(bounds, float(best[-1]), tuple(c[1] if c else "none" for c in chosen))
+
+
+def least_bytes(p: Problem) -> float:
+    """What the stages hold together at the least, however the model is cut: every node's
+    static bytes (less its gradients where a stage may peak before them) and one micro-batch's
+    activations, which a stage holds recomputing or not (selectively, less what it keeps that
+    autograd saves anyway and, at most, its held outputs). No partition fits when this exceeds
+    the stages' memory summed: checked first, it spares the DP the points that cannot fit (a
+    70B model on 16 stages)."""
+    static = p.static_bytes[-1] - (p.gradient_bytes[-1] if any(p.before_gradients) else 0.0)
+    activations = p.activation_bytes[-1] if min(p.in_flight, default=0) >= 1 else 0.0
+    if p.selective_s is not None:
+        activations -= p.selective_shared[-1] + sum(p.in_flight) * max(
+            float(p.selective_held.max(initial=0.0)), 0.0)
+    return float(static + activations)
 
 
 def _upper_bound(p: Problem, cuts: np.ndarray) -> float:

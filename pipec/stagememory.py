@@ -17,7 +17,8 @@ class StageMemory:
     static: float  # weights, gradients, optimizer state, buffers
     activations: float  # saved for backward, times the micro-batches in flight
     held_outputs: float  # outputs no node saves, kept by the runtime until their backward
-    receive_buffers: float  # one per micro-batch, for the input and for the output's gradient
+    # One per micro-batch in flight for the input, one for the output's gradient.
+    receive_buffers: float
     data: float  # the step's inputs (first stage) and targets (last stage)
     loss: float  # what loss_fn saves, times the micro-batches in flight (last stage)
     working: float  # the largest backward working set among the stage's nodes (and the loss's)
@@ -75,17 +76,19 @@ class StageRole:
 
 def stage_memory(arrays: NodeArrays, start: int, end: int, role: StageRole,
                  recompute: str = "none") -> StageMemory:
-    """The peak of the stage over nodes [start, end) under torch.distributed.pipelining:
-    ``PipelineStage`` allocates a receive buffer per micro-batch for its input and for its
-    output's gradient and keeps them across steps, caches each micro-batch's outputs until its
-    backward, and the schedule splits the step's whole batch into micro-batches up front. A
-    stage that ``recompute``s (torch.utils.checkpoint over its forward) keeps only its inputs,
-    which are its receive buffers, and holds one micro-batch's activations while its backward
-    makes them again; recomputing selectively, it also keeps the outputs of its expensive
-    operations for every micro-batch in flight."""
-    m, f = role.micro_batches, role.in_flight
-    received = 0.0 if role.first else m * arrays.boundary_bytes[start]
-    gradients = 0.0 if role.last else m * arrays.boundary_bytes[end]
+    """The peak of the stage over nodes [start, end) under torch.distributed.pipelining, as
+    the emitted pipeline.py runs it: a receive buffer is made when its receive is posted and
+    dropped after the micro-batch's backward (pipeline.receive_into_fresh_buffers; torch's
+    ``PipelineStage`` alone would keep one per micro-batch of the step), so the stage holds
+    one input per micro-batch in flight and one output gradient; it caches each micro-batch's
+    outputs until its backward, and the schedule splits the step's whole batch into
+    micro-batches up front. A stage that ``recompute``s (torch.utils.checkpoint over its
+    forward) keeps only its inputs, which are its receive buffers, and holds one micro-batch's
+    activations while its backward makes them again; recomputing selectively, it also keeps
+    the outputs of its expensive operations for every micro-batch in flight."""
+    f = role.in_flight
+    received = 0.0 if role.first else f * arrays.boundary_bytes[start]
+    gradients = 0.0 if role.last else arrays.boundary_bytes[end]
     return StageMemory(
         static=float(arrays.static_bytes[start:end].sum()),
         activations=_activations(arrays, start, end, f, recompute),
@@ -151,14 +154,15 @@ def ends_bytes(arrays: NodeArrays, role: StageRole) -> tuple[np.ndarray, np.ndar
     terms they add up to ``stage_memory(...).total``."""
     m, f = role.micro_batches, role.in_flight
     at_start, at_end = _data_bytes(arrays, role)
-    enter = (2 * m - f if role.holds_sends else m) * arrays.boundary_bytes
+    # Receive buffers for the inputs in flight; the input gradients already sent (M − f).
+    enter = (m if role.holds_sends else f) * arrays.boundary_bytes
     enter[0] = at_start  # only the first stage starts at cut 0
     if role.last:
         leave = f * (arrays.held_bytes + arrays.loss_bytes) + at_end
-    elif role.holds_sends:  # gradient buffers, and every output kept by its send
-        leave = 2 * m * arrays.boundary_bytes
+    elif role.holds_sends:  # a gradient buffer, and every output kept by its send
+        leave = (m + 1) * arrays.boundary_bytes
     else:
-        leave = f * arrays.held_bytes + m * arrays.boundary_bytes
+        leave = f * arrays.held_bytes + arrays.boundary_bytes
     return enter, leave
 
 

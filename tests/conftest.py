@@ -16,6 +16,7 @@ os.environ.setdefault("PIPEC_MEASURE", "off")
 import re
 import runpy
 import socket
+import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -49,6 +50,19 @@ def compile_to(model: Path, out: Path, **options: Any) -> Plan:
     options.setdefault("pp", options.get("gpus", 1))
     plan, _ = compile_model(CompileOptions(model=model, out=out, **options))
     return plan
+
+
+def measured_peaks(out: Path, processes: int = 2) -> list[float]:
+    """Each device's measured peak (the largest over its replicas), from a fresh torchrun of
+    the emitted script for 3 steps."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", str(processes),
+                    "train.py", "--steps", "3", "--metrics", "m.json"], cwd=out, check=True,
+                   capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    peaks: dict[int, float] = {}
+    for rank in json.loads((out / "m.json").read_text())["ranks"]:
+        peaks[rank["device"]] = max(peaks.get(rank["device"], 0.0), rank["peak_memory_bytes"])
+    return [peaks[d] for d in sorted(peaks)]
 
 
 def free_port() -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 from pipec.kernelruns import KernelRuns
 from pipec.partition import (
     brute_force,
+    least_bytes,
     make_problem,
     recomputed_memory,
     solve,
@@ -96,6 +98,23 @@ def test_dp_equals_brute_force(problem: object) -> None:
     assert (dp is None) == (reference is None)
     if dp is not None and reference is not None:
         assert abs(dp.bottleneck - reference.bottleneck) <= 1e-9 * max(1.0, reference.bottleneck)
+
+
+@settings(max_examples=300, deadline=None)
+@given(problems())
+def test_no_partition_holds_less_than_the_least_bytes(problem: object) -> None:
+    """The bound solve() rejects a problem with before its DP: every partition's stages,
+    recomputing as they choose, hold at least least_bytes() together."""
+    p = problem
+    unlimited = replace(p, capacity=(float("inf"),) * p.num_stages)  # type: ignore[attr-defined]
+    inner = [i for i in range(1, p.num_nodes) if p.legal[i]]  # type: ignore[attr-defined]
+    for cuts in itertools.combinations(inner, p.num_stages - 1):  # type: ignore[attr-defined]
+        bounds = (0, *cuts, p.num_nodes)  # type: ignore[attr-defined]
+        held = [min([stage_memory(unlimited, s, a, b)] + [
+            recomputed_memory(unlimited, s, a, b, mode) for mode in ("full", "selective")
+            if (unlimited.recompute_s if mode == "full" else unlimited.selective_s) is not None])
+            for s, (a, b) in enumerate(itertools.pairwise(bounds))]
+        assert least_bytes(unlimited) <= sum(held) + 1e-9 * max(1.0, sum(held))
 
 
 @settings(max_examples=200, deadline=None)

@@ -180,29 +180,32 @@ def test_stage_memory_by_term() -> None:
     first, last = (s.memory for s in chosen.stages)
     assert first == StageMemory(
         static=3 * MIB, activations=2 * 4 * 20 * KIB, held_outputs=2 * 4 * KIB,
-        receive_buffers=8 * 16 * KIB,  # the output's gradient, one buffer per micro-batch
+        receive_buffers=16 * KIB,  # the output's gradient, one buffer at a time
         data=8 * 16 * KIB,  # the step's inputs
         loss=0.0, working=MIB)  # node 1's gradient of a micro-batch, before it is accumulated
     assert last == StageMemory(
         static=6 * MIB, activations=1 * 4 * 20 * KIB, held_outputs=0.0,
-        receive_buffers=8 * 16 * KIB,  # the input, one buffer per micro-batch
+        receive_buffers=16 * KIB,  # the input, one buffer per micro-batch in flight
         data=8 * 2 * KIB,  # the step's targets
         loss=1 * 8 * KIB, working=2 * MIB)  # node 5's
     assert chosen.device_memory_bytes == (first.total, last.total)
 
 
-@pytest.mark.parametrize(("schedule", "expected"), [("gpipe", 154), ("auto", 762)])
-def test_max_batch_equals_the_memory_terms_by_hand(schedule: str, expected: int) -> None:
-    """_two_stages() on 2 devices of 16 MiB. At micro-batch 1, batch B is B micro-batches,
-    f of them in flight on a stage:
+@pytest.mark.parametrize(("schedule", "device_mib", "expected"),
+                         [("gpipe", 16, 154), ("auto", 12, 1012)])
+def test_max_batch_equals_the_memory_terms_by_hand(schedule: str, device_mib: int,
+                                                   expected: int) -> None:
+    """_two_stages() on 2 devices. At micro-batch 1, batch B is B micro-batches, f of them in
+    flight on a stage:
     stage 0: static + working (node 1's gradient, 1 MiB) + f · (activations 40 + held 2) KiB +
-    B · (gradient buffers 8 + inputs 8) KiB; stage 1: static + working (node 5's gradient,
-    2 MiB) + f · (activations 40 + loss 4) KiB + B · (receive buffers 8 + targets 1) KiB.
-    GPipe (f = B): stage 0: 4 MiB + 58 KiB · B ≤ 16 MiB: B ≤ 211; stage 1: 8 MiB +
-    53 KiB · B: B ≤ 154. 1F1B (f = 2, then 1): stage 0: 4 MiB + 84 KiB + 16 KiB · B: B ≤ 762;
-    stage 1: 8 MiB + 44 KiB + 9 KiB · B: B ≤ 905. The search tries multiples of the 2
-    devices."""
-    chosen = plan(_two_stages(), _request([_device(16 * MIB)] * 2, pp=2, schedule=schedule))
+    a gradient buffer 8 KiB + B · inputs 8 KiB; stage 1: static + working (node 5's gradient,
+    2 MiB) + f · (activations 40 + loss 4 + receive buffer 8) KiB + B · targets 1 KiB.
+    GPipe (f = B) on 16 MiB: stage 0: 4 MiB + 8 KiB + 50 KiB · B ≤ 16 MiB: B ≤ 245; stage 1:
+    8 MiB + 53 KiB · B: B ≤ 154. 1F1B (f = 2, then 1) on 12 MiB: stage 0: 4 MiB + 92 KiB +
+    8 KiB · B: B ≤ 1,012; stage 1: 8 MiB + 52 KiB + 1 KiB · B: B ≤ 4,044. The search tries
+    multiples of the 2 devices."""
+    chosen = plan(_two_stages(), _request([_device(device_mib * MIB)] * 2, pp=2,
+                                          schedule=schedule))
     assert chosen.max_batch_limit == 64 * 16
     assert chosen.max_batch[0] == MaxBatch("pipec", expected, False)
 
@@ -210,8 +213,8 @@ def test_max_batch_equals_the_memory_terms_by_hand(schedule: str, expected: int)
 def test_recomputation_raises_the_max_batch_by_the_terms_by_hand() -> None:
     """As above under GPipe, with the stages recomputing: each holds one micro-batch's
     activations (40 KiB) instead of B, and no gradient is left unmade; the rest stays per
-    micro-batch. Stage 0: 4 MiB + 40 KiB + B · (held 2 + gradient buffers 8 + inputs 8) KiB:
-    B ≤ 680; stage 1: 8 MiB + 40 KiB + B · (loss 4 + receive buffers 8 + targets 1) KiB:
+    micro-batch. Stage 0: 4 MiB + 48 KiB (a gradient buffer) + B · (held 2 + inputs 8) KiB:
+    B ≤ 1,224; stage 1: 8 MiB + 40 KiB + B · (loss 4 + receive buffers 8 + targets 1) KiB:
     B ≤ 627. The search tries multiples of the 2 devices: 626 (154 without)."""
     for mode in ("auto", "full"):
         chosen = plan(_two_stages(), _request([_device(16 * MIB)] * 2, pp=2, schedule="gpipe",
@@ -227,13 +230,13 @@ def test_recomputation_raises_the_max_batch_by_the_terms_by_hand() -> None:
         [q.bwd_s + q.fwd_s for q in quick.stages])
 
 
-@pytest.mark.parametrize(("device_mib", "expected", "capped"), [(24, 1274, False),
-                                                                  (64, 1536, True)])
+@pytest.mark.parametrize(("device_mib", "expected", "capped"), [(14, 1268, False),
+                                                                  (24, 1536, True)])
 def test_max_batch_between_the_last_doubling_and_the_limit(device_mib: int, expected: int,
                                                            capped: bool) -> None:
     """--batch-size 24: the limit, 1,536, is 768 units of 2, not a power of two. On 24 MiB,
-    1F1B's stage 0 allows B ≤ (24 MiB − 4 MiB − 84 KiB) / 16 KiB = 1,274 (see above), between
-    the last doubling (1,024) and the limit; on 64 MiB the limit itself fits."""
+    1F1B's stage 0 allows B ≤ (14 MiB − 4 MiB − 92 KiB) / 8 KiB = 1,268 (see above), between
+    the last doubling (1,024) and the limit; on 24 MiB the limit itself fits."""
     chosen = plan(_two_stages(), _request([_device(device_mib * MIB)] * 2, global_batch=24,
                                           pp=2))
     assert chosen.max_batch_limit == 64 * 24

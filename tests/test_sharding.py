@@ -88,15 +88,17 @@ def test_auto_shards_where_only_sharding_fits_and_not_otherwise(tmp_path: Path) 
     assert plan.fsdp == "zero2"
 
 
-def test_sharding_raises_pipecs_max_batch(tmp_path: Path) -> None:
-    """On 4 devices of 2.7 MiB with AdamW, sharding frees the GPT's optimizer state: 172
-    samples per step fit instead of 116 (the baselines never shard)."""
+def test_sharding_fits_a_larger_micro_batch(tmp_path: Path) -> None:
+    """On 4 devices of 2.7 MiB with AdamW, the GPT runs as 2 stages × 2 replicas; sharding
+    frees the optimizer state, so micro-batch 2 fits where DDP fits only 1 (the baselines,
+    never sharded, keep their maximum batch)."""
     small = device_file(tmp_path, 2.7 * 2**20)
     plans = {mode: compile_to(SAMPLES / "gpt.py", tmp_path / mode, gpus=4, pp=None,
                               batch_size=16, hardware=small, fsdp=mode, optimizer="adamw")
              for mode in ("off", "auto")}
     assert plans["auto"].fsdp == "zero2"
-    assert plans["auto"].max_batch[0].batch > plans["off"].max_batch[0].batch
+    assert (plans["auto"].pp, plans["auto"].dp) == (plans["off"].pp, plans["off"].dp) == (2, 2)
+    assert (plans["auto"].micro_batch, plans["off"].micro_batch) == (2, 1)
     assert plans["auto"].max_batch[1:] == plans["off"].max_batch[1:]
 
 

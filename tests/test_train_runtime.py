@@ -1,5 +1,6 @@
 """The emitted script's training features: checkpoints and exact resume, the learning-rate
-schedule, global gradient clipping, stopping on a non-finite loss, sharded real data."""
+schedule, global gradient clipping, stopping on a non-finite loss, sharded real data, receive
+buffers for the micro-batches in flight only."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from conftest import (
     compile_to,
     emitted_modules,
     emitted_train,
+    measured_peaks,
     run_forked,
     run_forked_text,
 )
@@ -204,3 +206,26 @@ def test_gradient_buckets_hold_each_gradient_once_within_the_limit(tmp_path: Pat
     assert held[0] is shared.weight.grad and float(held[1].abs().sum()) == 0.0
     assert all(sum(g.nbytes for g in b) <= 1024 or len(b) == 1 for b in buckets)
     assert [len(b) for b in buckets] == [2, 1, 1]  # 256 + 32 bytes; 16 KiB alone; 256
+
+
+def test_receive_buffers_do_not_grow_with_the_micro_batches(tmp_path: Path) -> None:
+    """1F1B on 2 devices at 8 and at 32 micro-batches of 1: torch's PipelineStage alone would
+    keep a 512 KiB receive buffer per micro-batch (the inputs on device 1, the output's
+    gradients on device 0), 12 MiB more on each device at 32; the emitted script makes them for
+    the micro-batches in flight, so each device's peak grows by what the plan predicts (the
+    step's token ids, 48 KiB) within 1.5 MiB; and it still trains like one process."""
+    options = {"gpus": 2, "micro_batch": 1, "schedule": "1f1b"}
+    few = compile_to(MODELS / "wide_boundary.py", tmp_path / "few", batch_size=8, **options)
+    many = compile_to(MODELS / "wide_boundary.py", tmp_path / "many", batch_size=32, **options)
+    assert (few.num_micro_batches, many.num_micro_batches) == (8, 32)
+    predicted = [b - a for a, b in zip(few.device_memory_bytes, many.device_memory_bytes,
+                                       strict=True)]
+    measured = [b - a for a, b in zip(measured_peaks(tmp_path / "few"),
+                                      measured_peaks(tmp_path / "many"), strict=True)]
+    assert all(abs(m - p) <= 1.5 * 2**20 for m, p in zip(measured, predicted, strict=True)), (
+        measured, predicted)
+    compile_to(MODELS / "wide_boundary.py", tmp_path / "one", gpus=1, batch_size=32)
+    expected = run_forked(tmp_path / "one", 1, "--steps", "3")
+    losses = run_forked(tmp_path / "many", 2, "--steps", "3")
+    assert len(losses) == 3 and all(abs(a - e) <= 1e-4 * abs(e)
+                                    for a, e in zip(losses, expected, strict=True))
