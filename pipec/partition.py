@@ -257,15 +257,28 @@ def least_bytes(p: Problem) -> float:
     """What the stages hold together at the least, however the model is cut: every node's
     static bytes (less its gradients where a stage may peak before them) and one micro-batch's
     activations, which a stage holds recomputing or not (selectively, less what it keeps that
-    autograd saves anyway and, at most, its held outputs). No partition fits when this exceeds
-    the stages' memory summed: checked first, it spares the DP the points that cannot fit (a
+    autograd saves anyway and, at most, its held outputs), and what its ends hold at the least
+    (receive buffers, held outputs, sends). No partition fits when this exceeds the stages'
+    memory summed: checked first, it spares the DP the points that cannot fit (a
     70B model on 16 stages)."""
     static = p.static_bytes[-1] - (p.gradient_bytes[-1] if any(p.before_gradients) else 0.0)
     activations = p.activation_bytes[-1] if min(p.in_flight, default=0) >= 1 else 0.0
     if p.selective_s is not None:
         activations -= p.selective_shared[-1] + sum(p.in_flight) * max(
             float(p.selective_held.max(initial=0.0)), 0.0)
-    return float(static + activations)
+    return float(static + activations + _least_ends_bytes(p))
+
+
+def _least_ends_bytes(p: Problem) -> float:
+    """What the stages' ends hold at the least: the first stage starts at cut 0 and the last
+    ends at cut n; every other end sits at some inner legal cut, at best the cheapest."""
+    inner = np.flatnonzero(p.legal[1:-1]) + 1
+    last = p.num_stages - 1
+    if not len(inner):
+        return float(p.enter_bytes[0, 0] + p.leave_bytes[last, -1])
+    enter = p.enter_bytes[1:, inner].min(axis=1).sum() if last else 0.0
+    leave = p.leave_bytes[:last, inner].min(axis=1).sum() if last else 0.0
+    return float(p.enter_bytes[0, 0] + enter + leave + p.leave_bytes[last, -1])
 
 
 def _upper_bound(p: Problem, cuts: np.ndarray) -> float:
