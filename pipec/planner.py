@@ -150,6 +150,12 @@ def _infeasible(costs: Costs, layout: Layout) -> InfeasibleError:
     schedule = "gpipe" if gpipe else "1f1b"
     recompute = request.recompute in ("auto", "full")
     e = unlimited(costs, Point(layout, micro_batch, schedule), "time", recompute)
+    if e.fits() and request.schedule not in ("auto", schedule):
+        return InfeasibleError(
+            f"no split fits under --schedule {request.schedule} over {layout.pp} pipeline "
+            f"device(s) on {request.hardware}, but {schedule} at micro-batch {micro_batch} "
+            f"fits ({gib(max(e.memory))} on its fullest device of "
+            f"{gib(min(e.stage_costs.capacity))} usable): use --schedule {schedule} or auto")
     hint = ", --schedule 1f1b" if request.schedule == "gpipe" else ""
     recomputing = " with recomputation where it lowers a stage's memory" if recompute else ""
     return InfeasibleError(

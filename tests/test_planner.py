@@ -384,6 +384,19 @@ def test_a_slower_device_gets_less_work(tmp_path: Path) -> None:
     assert plan["devices"] == ["small", "small"] and plan["hardware"] == f"{fast}:1,{slow}:1"
 
 
+def test_a_schedule_that_does_not_fit_names_the_one_that_does(tmp_path: Path) -> None:
+    """On two 2.2 MiB devices the GPT fits under 1F1B at micro-batch 1 (2.0 MiB), not
+    interleaved (two stages per device, every send kept until the step ends): the error says
+    which schedule to use rather than what 1F1B needs."""
+    small = _small_device(tmp_path, 2.2)
+    assert compile_to(SAMPLES / "gpt.py", tmp_path / "ok", gpus=2, pp=2, batch_size=32,
+                      hardware=small, schedule="1f1b").micro_batch == 1
+    with pytest.raises(InfeasibleError, match=r"no split fits under --schedule interleaved .* "
+                       r"but 1f1b at micro-batch 1 fits .*: use --schedule 1f1b or auto"):
+        compile_to(SAMPLES / "gpt.py", tmp_path / "no", gpus=2, pp=2, batch_size=32,
+                   hardware=small, schedule="interleaved")
+
+
 def test_a_smaller_device_gets_a_stage_that_fits(tmp_path: Path) -> None:
     # On two 64 MiB devices the time-balanced split puts more than 1 MiB on device 0; next to
     # a 1 MiB device (all of it usable: no process, runtime or fragmentation share) the split
