@@ -129,6 +129,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         if not args.levers_only:
             zoo_table(Path(tmp))
+            print()
         print(tabulate(lever_rows(Path(tmp)),
                        ("model", "devices", "pipec plan (pp×dp)", "levers chosen", "samples/s",
                         "predicted MFU", "without levers (samples/s)", "plan s"),
