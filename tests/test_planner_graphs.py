@@ -234,7 +234,7 @@ def test_recomputation_raises_the_max_batch_by_the_terms_by_hand() -> None:
                                                                   (24, 1536, True)])
 def test_max_batch_between_the_last_doubling_and_the_limit(device_mib: int, expected: int,
                                                            capped: bool) -> None:
-    """--batch-size 24: the limit, 1,536, is 768 units of 2, not a power of two. On 24 MiB,
+    """--batch-size 24: the limit, 1,536, is 768 units of 2, not a power of two. On 14 MiB,
     1F1B's stage 0 allows B ≤ (14 MiB − 4 MiB − 92 KiB) / 8 KiB = 1,268 (see above), between
     the last doubling (1,024) and the limit; on 24 MiB the limit itself fits."""
     chosen = plan(_two_stages(), _request([_device(device_mib * MIB)] * 2, global_batch=24,
