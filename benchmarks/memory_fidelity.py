@@ -230,7 +230,7 @@ def main() -> None:
     parser.add_argument("--check", action="store_true", help="exit 1 when a device misses ±15%%")
     parser.add_argument("--max-batch", action="store_true",
                         help="also run one predicted maximum batch for real")
-    parser.add_argument("--device-mib", type=int, default=192)
+    parser.add_argument("--device-mib", type=int, default=512)
     parser.add_argument("--largest-micro-batch", action="store_true",
                         help="run the largest micro-batch accepted on one --hardware device")
     parser.add_argument("--hardware", default="cpu", help="a preset or a JSON file (cpu)")

@@ -272,13 +272,13 @@ def least_bytes(p: Problem) -> float:
 def _least_ends_bytes(p: Problem) -> float:
     """What the stages' ends hold at the least: the first stage starts at cut 0 and the last
     ends at cut n; every other end sits at some inner legal cut, at best the cheapest."""
-    inner = np.flatnonzero(p.legal[1:-1]) + 1
     last = p.num_stages - 1
-    if not len(inner):
-        return float(p.enter_bytes[0, 0] + p.leave_bytes[last, -1])
-    enter = p.enter_bytes[1:, inner].min(axis=1).sum() if last else 0.0
-    leave = p.leave_bytes[:last, inner].min(axis=1).sum() if last else 0.0
-    return float(p.enter_bytes[0, 0] + enter + leave + p.leave_bytes[last, -1])
+    ends = float(p.enter_bytes[0, 0] + p.leave_bytes[last, -1])
+    if not last:
+        return ends
+    inner = np.flatnonzero(p.legal[1:-1]) + 1  # several stages: at least one inner cut
+    return ends + float(p.enter_bytes[1:, inner].min(axis=1).sum()
+                        + p.leave_bytes[:last, inner].min(axis=1).sum())
 
 
 def _upper_bound(p: Problem, cuts: np.ndarray) -> float:
