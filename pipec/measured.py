@@ -324,6 +324,6 @@ def _source(target: Target, path: Path, contention: float) -> str:
     """The same whether this compile measured or read the cache: compiling twice gives
     identical files."""
     threads = f"{target.threads} thread{'' if target.threads == 1 else 's'}"
-    side = (f", × {contention:.2f} with {target.processes} processes computing side by side"
-            if target.processes > 1 else "")
+    side = (f", × {contention:.2f} with {target.processes} processes computing side by side,"
+            " faster where fewer compute" if target.processes > 1 else "")
     return f"measured on this machine ({target.device_name}, {threads}{side}; cached in {path})"

@@ -12,6 +12,8 @@ from typing import Any
 from pipec.hardware import action_s
 from pipec.normalize import NormPlan
 from pipec.planner import Plan
+from pipec.planning.costs import shared_cores
+from pipec.planning.values import PlanRequest
 from pipec.stagememory import StageMemory
 from pipec.trace import Traced
 
@@ -43,6 +45,7 @@ def plan_dict(plan: Plan, norms: NormPlan, traced: Traced) -> dict[str, Any]:
             "runtime_overhead_s": {
                 "per_action": action_s(request.devices, plan.schedule),
                 "per_step": max(d.step_overhead_s for d in request.devices)},
+            "shared_cores": _shared_cores(request, plan.dp),
             "peak_memory_bytes": list(plan.device_memory_bytes),
             "memory_terms": [{**_sum_terms(s.memory for s in plan.stages if s.device == d),
                               "runtime": plan.device_memory_bytes[d] - sum(
@@ -94,6 +97,15 @@ def _decision(plan: Plan) -> dict[str, Any] | None:
                 "fsdp": runner.fsdp,
                 "samples_per_s": runner.samples_per_s,
                 "step_time_relative": decision.runner_up_relative}}
+
+
+def _shared_cores(request: PlanRequest, replicas: int) -> dict[str, Any] | None:
+    """CPU processes sharing cores (pipec.cores); null where each device computes alone."""
+    cores = shared_cores(request, replicas)
+    if cores is None:
+        return None
+    return {"contention": cores.contention, "processes": cores.processes,
+            "lent_in_bubbles": cores.shared, "probe_times_scale": cores.paired}
 
 
 def _memory_terms(memory: StageMemory | None) -> dict[str, float]:

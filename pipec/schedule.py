@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pipec.cores import SharedCores, shared_times
 from pipec.zero_bubble import interleaved_zb_order, v_device, zbv_order
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "interleaved-zb", "zbv")
@@ -220,30 +221,43 @@ def stage_lower_bound_s(fwd_s: list[float], bwd_s: list[float], num_micro_batche
 
 def simulate(schedule: str, fwd_s: list[float], bwd_s: list[float], num_micro_batches: int,
              pp: int | None = None, timeline: bool = True,
-             weight_s: list[float] | None = None) -> Simulation:
+             weight_s: list[float] | None = None, cores: SharedCores | None = None
+             ) -> Simulation:
     """Run the schedule on stages whose forward and backward take ``fwd_s[k]`` and ``bwd_s[k]``;
     ``pp`` devices (default: one per stage) each run ``len(fwd_s) / pp`` stages. Under a
     zero-bubble schedule ``weight_s[k]`` of the backward is the weights' gradient (default:
-    half). ``timeline``: keep every action (for the picture), else only the figures."""
+    half). ``timeline``: keep every action (for the picture), else only the figures. ``cores``:
+    the devices are processes sharing a CPU's cores, faster while others wait (pipec.cores)."""
     stages = len(fwd_s)
     pp = pp or stages
     structure = _structure(schedule, pp, num_micro_batches, stages // pp)
     weights = weight_s if weight_s is not None else [b / 2 for b in bwd_s]
     durations = {"F": fwd_s, "B": bwd_s, "W": weights,
                  "I": [b - w for b, w in zip(bwd_s, weights, strict=True)]}
-    end = [0.0] * (len(structure.steps) + 1)  # end[-1]: "needs nothing", ready at 0
-    free = [0.0] * pp
-    for i, (kind, stage, _, device, first, second) in enumerate(structure.steps):
-        end[i] = free[device] = max(free[device], end[first], end[second]) \
-            + durations[kind][stage]
-    iteration = max(free)
-    busy = num_micro_batches * (sum(fwd_s) + sum(bwd_s))
+    each = [durations[kind][stage] for kind, stage, *_ in structure.steps]
+    if cores is not None and cores.shared:
+        start, end = shared_times(structure.steps, each, pp, cores)
+    else:
+        start, end = _plain_times(structure, each, pp)
+    iteration = max(end, default=0.0)
+    busy = sum(end) - sum(start)
     bubble = 1 - busy / (pp * iteration) if iteration > 0 else 0.0
-    actions = tuple(sorted((Action(s, k, kind, end[i] - durations[kind][s], end[i], d)
+    actions = tuple(sorted((Action(s, k, kind, start[i], end[i], d)
                             for i, (kind, s, k, d, _, _) in enumerate(structure.steps)),
                            key=lambda a: (a.device, a.start_s))) if timeline else ()
     return Simulation(iteration, bubble, in_flight(schedule, pp, num_micro_batches, stages // pp),
                       actions)
+
+
+def _plain_times(structure: _Structure, durations: list[float], pp: int
+                 ) -> tuple[list[float], list[float]]:
+    """Start and end of each step: when its device is free and the steps it needs have ended."""
+    end = [0.0] * (len(structure.steps) + 1)  # end[-1]: "needs nothing", ready at 0
+    free = [0.0] * pp
+    for i, (_, _, _, device, first, second) in enumerate(structure.steps):
+        end[i] = free[device] = max(free[device], end[first], end[second]) + durations[i]
+    end.pop()
+    return [e - d for e, d in zip(end, durations, strict=True)], end
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -254,3 +255,25 @@ def test_bad_calibration_file(text: str, tmp_path: Path) -> None:
 def test_unknown_device() -> None:
     with pytest.raises(ConfigError, match="--device 'tpu'"):
         profile_model(SAMPLES / "mlp.py", 2, device="tpu")
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_processes_sharing_cores_lend_them_in_the_bubbles(schedule: str, tmp_path: Path
+                                                          ) -> None:
+    """Two processes measured 2× slower side by side share one core's worth: the pipeline's
+    step is its work done alone, one action at a time, bubbles or not (pipec.cores). The
+    stage times in the plan are the contended ones."""
+    for contention in (1.0, 2.0):
+        calibration = replace(_synthetic(SAMPLES / "mlp.py", Fit(1.0, 0.0, 0.0)),
+                              contention=contention)
+        save_calibration(calibration, tmp_path / f"{contention}.json")
+    plans = {c: compile_to(SAMPLES / "mlp.py", tmp_path / str(c), gpus=2, batch_size=8,
+                           micro_batch=2, schedule=schedule, calibration=tmp_path / f"{c}.json")
+             for c in (1.0, 2.0)}
+    shared = plans[2.0]
+    work = shared.num_micro_batches * sum(s.fwd_s + s.bwd_s for s in shared.stages)
+    assert shared.simulation.iteration_s == pytest.approx(work / 2, rel=1e-3)
+    # Without contention, the two devices overlap and nothing is lent.
+    plain = plans[1.0]
+    assert plain.simulation.iteration_s < sum(s.fwd_s + s.bwd_s for s in plain.stages) \
+        * plain.num_micro_batches

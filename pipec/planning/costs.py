@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pipec.cores import SharedCores
 from pipec.costgraph import CostGraph
 from pipec.costmodel import (
     NodeArrays,
@@ -87,6 +88,8 @@ class StageCosts:
     # (n,): what selective recomputation adds to each pass over a node, forward and
     # recomputing: its autograd operations × Device.selective_node_s (None: nothing).
     selective_pass_s: np.ndarray | None = None
+    # The CPU cores the plan's processes share (pipec.cores); None: each device computes alone.
+    cores: SharedCores | None = None
 
     @functools.cached_property
     def selective_again_s(self) -> np.ndarray:
@@ -130,6 +133,16 @@ def weight_shares(graph: CostGraph) -> np.ndarray:
     shares = [min(n.fwd_flops.at(1), n.bwd_flops.at(1)) / n.bwd_flops.at(1)
               if n.params and n.bwd_flops.at(1) > 0 else 0.0 for n in graph.nodes]
     return np.array(shares)
+
+
+def shared_cores(request: PlanRequest, replicas: int) -> SharedCores | None:
+    """The cores a CPU plan's processes share (pipec.cores), the pipeline ``replicas`` times
+    over; None where none was measured (each device computes alone) or the plan spans
+    machines."""
+    calibration = request.calibration
+    if calibration is None or calibration.contention <= 1 or request.nodes > 1:
+        return None
+    return SharedCores(calibration.contention, request.gpus, replicas)
 
 
 class Costs:
@@ -185,29 +198,34 @@ class Costs:
         arrays = self.nodes(positions[0][0], micro_batch)
         if layout.fsdp in SHARDED:
             arrays = shard_arrays(arrays, self.weight_bytes, self.request.training, layout.dp)
-        cut = np.stack([self._cut_s(layout, arrays, k) for k in range(layout.stages)])
+        cores = self.shared_cores(layout)
+        # The probe measured the links and the runtime's time per action with two processes
+        # computing (the split backward and selective passes with all of them); the model's
+        # times are every process's at once.
+        paired = cores.paired if cores else 1.0
+        cut = paired * np.stack([self._cut_s(layout, arrays, k) for k in range(layout.stages)])
         capacity = tuple(min(usable_memory(d) for d in devices) for devices in positions)
         runtime = tuple(max(d.runtime_bytes + self._sharding_host_bytes(layout, d)
                             for d in devices) for devices in positions)
         calibration = self.request.calibration
         measured = calibration.stage_overhead_s if calibration else (0.0, 0.0)
         scale = calibration.contention if calibration else 1.0
-        action = max(d.action_overhead_s for d in self.request.devices)
+        action = paired * max(d.action_overhead_s for d in self.request.devices)
         overhead = (measured[0] * scale + action, measured[1] * scale + action)
-        split = max(d.split_backward_node_s for d in self.request.devices) * self.autograd_nodes
-        selective = max(d.selective_node_s for d in self.request.devices) * self.autograd_nodes
+        split = max(d.split_backward_node_s for d in self.request.devices)
+        selective = max(d.selective_node_s for d in self.request.devices)
         return StageCosts(fwd + bwd, fwd, bwd, arrays, cut, capacity, runtime, overhead,
-                          bwd * self.weight_share, action, self._schedule_action_s(), split,
-                          selective)
+                          bwd * self.weight_share, action, self._schedule_action_s(paired),
+                          split * self.autograd_nodes, selective * self.autograd_nodes, cores)
 
     @staticmethod
     def _sharding_host_bytes(layout: Layout, device: Device) -> float:
         """FSDP's own host memory, where the host's memory is the device's (a CPU)."""
         return HOST_BYTES if layout.fsdp in SHARDED and device.device_type == "cpu" else 0.0
 
-    def _schedule_action_s(self) -> tuple[tuple[str, float], ...]:
-        """Per schedule, the slowest device's runtime time per action."""
-        return tuple((schedule, action_s(self.request.devices, schedule))
+    def _schedule_action_s(self, paired: float) -> tuple[tuple[str, float], ...]:
+        """Per schedule, the slowest device's runtime time per action (× ``paired``)."""
+        return tuple((schedule, paired * action_s(self.request.devices, schedule))
                      for schedule in SCHEDULES)
 
     def _synchronized_norm_s(self, layout: Layout, positions: list[list[Device]]
@@ -247,6 +265,9 @@ class Costs:
         (or makes synchronized) would update its running statistics twice."""
         kept = resolve_norm(self.request.norm, layout.pp, layout.dp) != "group"
         return np.array([float(kept and n.batch_norm_channels > 0) for n in self.graph.nodes])
+
+    def shared_cores(self, layout: Layout) -> SharedCores | None:
+        return shared_cores(self.request, layout.dp)
 
     def fastest_work_s(self, micro_batch: int) -> float:
         """One micro-batch's forward + backward, every node on the fastest device for it."""

@@ -165,13 +165,16 @@ def timeline(e: Evaluated) -> Simulation:
 
 def _simulate(e: Evaluated, timeline: bool) -> Simulation:
     fwd, bwd = stage_times(e)
+    cores = e.stage_costs.cores
     if e.schedule not in ZERO_BUBBLE:
-        return simulate(e.schedule, fwd, bwd, e.num_micro_batches, e.layout.pp, timeline)
+        return simulate(e.schedule, fwd, bwd, e.num_micro_batches, e.layout.pp, timeline,
+                        cores=cores)
     # The weights' gradient is an action of its own, and splitting costs both halves time.
     between = e.stage_costs.extra_action_s(e.schedule)  # the weights' action's, beyond its call
     bwd = [b + extra + between for b, extra in zip(bwd, split_backward_s(e), strict=True)]
     weights = [w + s / 2 for w, s in zip(stage_weight_s(e), _split_s(e), strict=True)]
-    return simulate(e.schedule, fwd, bwd, e.num_micro_batches, e.layout.pp, timeline, weights)
+    return simulate(e.schedule, fwd, bwd, e.num_micro_batches, e.layout.pp, timeline, weights,
+                    cores)
 
 
 def split_backward_s(e: Evaluated) -> list[float]:
@@ -216,8 +219,11 @@ def rank(e: Evaluated) -> tuple[float, float, int, int, int]:
 def stage_bound_s(costs: Costs, e: Evaluated) -> float:
     """A lower bound on the iteration time from the stage times, without simulating."""
     fwd, bwd = stage_times(e)
-    return (stage_lower_bound_s(fwd, bwd, e.num_micro_batches, e.layout.pp, e.schedule)
-            + sum(step_terms(costs, e).values()))
+    bound = stage_lower_bound_s(fwd, bwd, e.num_micro_batches, e.layout.pp, e.schedule)
+    cores = e.stage_costs.cores
+    if cores is not None and cores.shared:
+        bound = cores.bound_s(bound, e.num_micro_batches * (sum(fwd) + sum(bwd)) / e.layout.pp)
+    return bound + sum(step_terms(costs, e).values())
 
 
 def stage_times(e: Evaluated) -> tuple[list[float], list[float]]:

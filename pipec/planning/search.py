@@ -1,7 +1,8 @@
 """Branch and bound over the points: evaluated from the smallest lower bound on their iteration
 time up, stopping once the bound exceeds the best plan found (the bound is the busiest device's
 share of the work at the fastest device's speed, plus the all-reduce of an equal share of the
-gradients; every point's simulated time is at least that)."""
+gradients; every point's simulated time is at least that; where CPU processes share cores,
+pipec.cores widens it)."""
 
 from __future__ import annotations
 
@@ -75,6 +76,10 @@ def _lower_bound(costs: Costs, point: Point) -> float:
     shard = float(costs.param_bytes.sum()) / layout.pp
     fastest = min(allreduce_s(shard, layout.dp, d, inter) for d in set(costs.request.devices)
                   for inter in (False, True))
-    return (lower_bound_s(costs.fastest_work_s(point.micro_batch), layout.pp, micro_batches,
-                          layout.virtual, point.schedule,
-                          costs.fastest_chain_s(point.micro_batch)) + fastest)
+    work = costs.fastest_work_s(point.micro_batch)
+    bound = lower_bound_s(work, layout.pp, micro_batches, layout.virtual, point.schedule,
+                          costs.fastest_chain_s(point.micro_batch))
+    cores = costs.shared_cores(layout)
+    if cores is not None and cores.shared:  # in the bubbles, the others compute faster
+        bound = cores.bound_s(bound, micro_batches * work / layout.pp)
+    return bound + fastest

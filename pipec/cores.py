@@ -1,0 +1,96 @@
+"""Processes that share a CPU's cores: a pipeline's waiting devices lend theirs to the others.
+
+A CPU plan's compute times carry the slowdown of every training process computing at once
+(``Calibration.contention``: c, measured with P processes side by side). In a pipeline's
+bubbles fewer compute. A rank blocked in a gloo receive holds no core (measured here: 0.01 s of
+CPU over a 3 s wait), so the ranks that do compute run faster, at most as fast as alone.
+
+Processor sharing (Kleinrock, 1967): P processes computing at once run c times slower than
+alone, as if on P / c cores of their own; n of them computing run max(1, n·c / P) times slower.
+Relative to the contended times the model uses (alone × c), that is a rate of
+``min(c, P / n)``. With n = P it is 1: the plain simulation. With no contention (c = 1: a GPU
+each) it is 1 for every n, and the plain simulation is used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Work left below this many seconds is done (the times are sums of floats).
+_DONE_S = 1e-15
+
+
+@dataclass(frozen=True)
+class SharedCores:
+    """The processes of one machine sharing its cores; a pipeline's devices are ``replicas`` of
+    them computing at once (data parallelism runs every replica's schedule in step)."""
+
+    contention: float  # c: alone × c is each process's time when all P compute
+    processes: int  # P: the processes c was measured with (every training process)
+    replicas: int = 1
+
+    def rate(self, computing: int) -> float:
+        """Work done per second of a contended time, for each of ``computing`` pipeline
+        devices that compute at once."""
+        return min(self.contention, self.processes / (computing * self.replicas))
+
+    @property
+    def paired(self) -> float:
+        """Contended ÷ measured, for a time measured with two processes computing and the rest
+        waiting (the probe's links and runtime: pipec.probe), min(c, P / 2)."""
+        return min(self.contention, self.processes / 2)
+
+    @property
+    def shared(self) -> bool:
+        """Whether a pipeline runs faster in its bubbles than its contended times say."""
+        return self.contention > 1 and self.rate(1) > 1
+
+    def bound_s(self, plain_bound_s: float, balanced_s: float) -> float:
+        """A lower bound on a step whose plain simulation is bounded by ``plain_bound_s``: no
+        action runs faster than alone (rate(1)), and the devices together do at most pp
+        devices' worth of contended work per second (n · rate(n) ≤ P / replicas = pp), so
+        ``balanced_s`` (the work spread evenly) stands."""
+        return max(plain_bound_s / self.rate(1), balanced_s)
+
+
+def shared_times(steps: tuple[tuple[str, int, int, int, int, int], ...], durations: list[float],
+                 pp: int, cores: SharedCores) -> tuple[list[float], list[float]]:
+    """Start and end of each step (kind, stage, micro-batch, device, the two steps it needs) when
+    the devices computing at once share the cores: events from one action's end to the next,
+    each computing device doing ``cores.rate(n)`` of its work per second."""
+    queues: list[list[int]] = [[] for _ in range(pp)]
+    for i in reversed(range(len(steps))):
+        queues[steps[i][3]].append(i)  # each device's steps, next last
+    start, end = [0.0] * len(steps), [float("inf")] * len(steps)
+    running: dict[int, list[float]] = {}  # device → [step, work left]
+    now = 0.0
+    _start_ready(steps, durations, queues, running, start, end, now)
+    while running:
+        rate = cores.rate(len(running))
+        first = min(running, key=lambda d: running[d][1])
+        elapsed = running[first][1] / rate
+        now += elapsed
+        for device in list(running):
+            step, left = running[device]
+            if device == first or left - elapsed * rate <= _DONE_S:
+                end[int(step)] = now
+                del running[device]
+            else:
+                running[device][1] = left - elapsed * rate
+        _start_ready(steps, durations, queues, running, start, end, now)
+    return start, end
+
+
+def _start_ready(steps: tuple[tuple[str, int, int, int, int, int], ...], durations: list[float],
+                 queues: list[list[int]], running: dict[int, list[float]], start: list[float],
+                 end: list[float], now: float) -> None:
+    """Start each idle device's next step whose inputs have ended (``end`` not infinite)."""
+    for device, queue in enumerate(queues):
+        if device in running or not queue:
+            continue
+        step = queue[-1]
+        needs = (steps[step][4], steps[step][5])
+        if all(n < 0 or end[n] <= now for n in needs):
+            queue.pop()
+            start[step] = now
+            running[device] = [float(step), durations[step]]
