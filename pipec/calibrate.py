@@ -33,7 +33,8 @@ from pipec.annotate import COMPUTE_OPS, CostGraph, annotate
 from pipec.costmodel import Calibration, Fit, NodeTiming
 from pipec.errors import ConfigError, TraceError
 from pipec.loader import load_model_file
-from pipec.normalize import group_norm_rewrites, to_group_norm
+from pipec.normalize import NormRewrite, group_norm_rewrites, to_group_norm
+from pipec.normtimes import kept_norm_timings
 from pipec.probe import side_by_side
 from pipec.steptimes import data_seconds, loss_timing
 from pipec.tensors import flat_tensors
@@ -77,10 +78,14 @@ def profile_model(model: Path, batch_size: int, device: str = "cpu", repeats: in
     graph = annotate(traced, spec, bf16_memory=False)
     torch.manual_seed(0)
     real = fx.symbolic_trace(spec.build_model())
-    if norm == "group":
-        _to_group_norms(real, traced, graph)
-    real = real.to(target).train()
     sizes = [s for s in PROFILE_SIZES if s <= batch_size] or [batch_size]
+    kept_norm: tuple[NodeTiming, ...] = ()
+    if norm == "group":
+        rewrites = group_norm_rewrites(traced, graph)
+        _to_group_norms(real, rewrites)
+        # A data-parallel plan keeps BatchNorm: what it pays beyond the GroupNorm timed here.
+        kept_norm = kept_norm_timings(graph, rewrites, sizes, target, repeats)
+    real = real.to(target).train()
     batches = {size: batch_inputs(spec, size) for size in sizes}
     inputs = {size: tuple(t.to(target) for t in batch[0]) for size, batch in batches.items()}
     if precision not in ("fp32", "bf16"):
@@ -94,7 +99,8 @@ def profile_model(model: Path, batch_size: int, device: str = "cpu", repeats: in
     loss = loss_timing(real, inputs, {size: b[1] for size, b in batches.items()},
                        getattr(spec.module, "loss_fn", F.cross_entropy), target, repeats)
     return (Calibration(target.type, forward, backward, _timings(graph, samples), overhead,
-                        contention=contention, data_s=data_seconds(spec, sizes), loss=loss),
+                        contention=contention, data_s=data_seconds(spec, sizes), loss=loss,
+                        kept_norm=kept_norm),
             tuple(samples))
 
 
@@ -120,10 +126,10 @@ def _fx_trace(spec: Any) -> Traced:
                          "fx can trace: compile this one without --calibration") from None
 
 
-def _to_group_norms(real: fx.GraphModule, traced: Traced, graph: CostGraph) -> None:
+def _to_group_norms(real: fx.GraphModule, rewrites: tuple[NormRewrite, ...]) -> None:
     """Swap each BatchNorm for the GroupNorm `--norm auto` gives a pipelined plan, built as the
     emitted stages build it."""
-    for rewrite in group_norm_rewrites(traced, graph):
+    for rewrite in rewrites:
         assert rewrite.groups is not None  # a GroupNorm rewrite always has its group count
         parent, _, name = rewrite.module.rpartition(".")
         setattr(real.get_submodule(parent), name,
@@ -376,7 +382,8 @@ def load_calibration(path: Path) -> Calibration:
         return Calibration(str(data["device"]), Fit(**data["forward"]), Fit(**data["backward"]),
                            nodes, (overhead[0], overhead[1]),
                            str(data.get("source", "pipec profile")),
-                           float(data.get("contention", 1.0)), (data_s[0], data_s[1]), loss)
+                           float(data.get("contention", 1.0)), (data_s[0], data_s[1]), loss,
+                           tuple(_node_timing(t) for t in data.get("kept_norm", ())))
     except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
         raise ConfigError(f"calibration file {path}: {exc}; make one with pipec profile") from None
 

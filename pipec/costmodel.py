@@ -91,13 +91,17 @@ class Calibration:
     # The model file's loss on the profiled model's output, forward and backward (None: not
     # measured); the last stage runs it after its nodes.
     loss: NodeTiming | None = None
+    # Per BatchNorm node timed as the GroupNorm of a pipelined plan (--norm auto): what its
+    # BatchNorm takes more, forward and backward (pipec.normtimes), for plans that keep it.
+    kept_norm: tuple[NodeTiming, ...] = ()
 
     def bind(self, graph: CostGraph) -> Calibration:
-        """This calibration for ``graph``: its node timings (and its model's loss and data)
-        kept only if they are of ``graph`` (the same nodes, in the same order)."""
+        """This calibration for ``graph``: its node timings (and its model's loss, data and
+        BatchNorms) kept only if they are of ``graph`` (the same nodes, in the same order)."""
         same = [(n.name, n.target) for n in graph.nodes] == [(t.node, t.target)
                                                              for t in self.nodes]
-        return self if same else replace(self, nodes=(), loss=None, data_s=(0.0, 0.0))
+        return self if same else replace(self, nodes=(), loss=None, data_s=(0.0, 0.0),
+                                          kept_norm=())
 
 
 def _interpolate(sizes: tuple[int, ...], seconds: tuple[float, ...], micro_batch: int) -> float:

@@ -192,7 +192,11 @@ class Costs:
                     for field in ("fwd_s", "bwd_s")] for devices in positions]
         fwd = np.stack([slowest[layout.position(k)][0] for k in range(layout.stages)])
         bwd = np.stack([slowest[layout.position(k)][1] for k in range(layout.stages)])
-        if resolve_norm(self.request.norm, layout.pp, layout.dp) == "sync" and layout.dp > 1:
+        norm = resolve_norm(self.request.norm, layout.pp, layout.dp)
+        if norm != "group":  # BatchNorm kept: beyond the GroupNorm a profile may have timed
+            kept_fwd, kept_bwd = self._kept_norm_s(micro_batch)
+            fwd, bwd = np.maximum(fwd + kept_fwd, 0.0), np.maximum(bwd + kept_bwd, 0.0)
+        if norm == "sync" and layout.dp > 1:
             sync_fwd, sync_bwd = self._synchronized_norm_s(layout, positions)
             fwd, bwd = fwd + sync_fwd, bwd + sync_bwd
         arrays = self.nodes(positions[0][0], micro_batch)
@@ -227,6 +231,18 @@ class Costs:
         """Per schedule, the slowest device's runtime time per action (× ``paired``)."""
         return tuple((schedule, paired * action_s(self.request.devices, schedule))
                      for schedule in SCHEDULES)
+
+    def _kept_norm_s(self, micro_batch: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per node, what a kept BatchNorm takes beyond the GroupNorm the profile timed in its
+        place (Calibration.kept_norm; none where it timed BatchNorm), with the contention."""
+        fwd, bwd = np.zeros(len(self.graph.nodes)), np.zeros(len(self.graph.nodes))
+        calibration = self.request.calibration
+        if calibration is None:
+            return fwd, bwd
+        index = {n.name: i for i, n in enumerate(self.graph.nodes)}
+        for timing in calibration.bind(self.graph).kept_norm:
+            fwd[index[timing.node]], bwd[index[timing.node]] = timing.at(micro_batch)
+        return fwd * calibration.contention, bwd * calibration.contention
 
     def _synchronized_norm_s(self, layout: Layout, positions: list[list[Device]]
                              ) -> tuple[np.ndarray, np.ndarray]:
