@@ -43,7 +43,7 @@ class SharedCores:
     @property
     def shared(self) -> bool:
         """Whether a pipeline runs faster in its bubbles than its contended times say."""
-        return self.contention > 1 and self.rate(1) > 1
+        return self.rate(1) > 1
 
     def bound_s(self, plain_bound_s: float, balanced_s: float) -> float:
         """A lower bound on a step whose plain simulation is bounded by ``plain_bound_s``: no
