@@ -163,7 +163,7 @@ def _stage_context(plan: Plan, norms: NormPlan, staged: Staged) -> dict[str, Any
 def _report_context(plan: Plan, norms: NormPlan) -> dict[str, Any]:
     return {
         "stage_table": stage_table(plan), "search_table": search_table(plan),
-        "baseline_table": baseline_table(plan), "norm_table": norm_table(norms),
+        "baseline_table": baseline_table(plan), "norm_table": norm_table(norms, plan),
         "decision": decision_text(plan),
         "max_batch_table": max_batch_table(plan),
         "num_candidates": len(plan.candidates), "num_pruned": plan.pruned,

@@ -68,6 +68,13 @@ class Device:
     # keeps its buckets' books. Paid per DDP bucket and by the loss's all-reduce (measured:
     # pipec.probe; costmodel.data_parallel_collectives).
     step_collective_s: float = 0.0
+    # What an all-reduce blocking in the middle of a pass costs within a node (a synchronized
+    # BatchNorm's, forward and backward): blocking_collective_s + blocking_drift · √T, T the
+    # seconds of compute since the one before (the replicas drift apart in between; measured:
+    # pipec.allreduces, fitted by pipec.measured.blocking_fit). 0, 0: not measured, and the
+    # all-reduce's latency and step_collective_s stand for it.
+    blocking_collective_s: float = 0.0
+    blocking_drift: float = 0.0  # seconds per √second
     # Host bytes per operation autograd records (its graph's node, the records and tensor
     # objects of what it saves), held while a micro-batch is in flight: counted where the
     # device's memory is the host's (CPU); 0 elsewhere.

@@ -15,6 +15,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
 import platform
 import time
@@ -24,17 +25,12 @@ from pathlib import Path
 
 import torch
 
+from pipec.allreduces import DATA_PARALLEL_WIDTHS, data_parallel_bytes
 from pipec.calibrate import PROFILE_SIZES, load_calibration, profile_model, save_calibration
 from pipec.costmodel import Calibration, data_parallel_collectives
 from pipec.errors import ConfigError, PipecError
 from pipec.hardware import Device
-from pipec.probe import (
-    DATA_PARALLEL_WIDTHS,
-    SCHEDULE_MICRO_BATCHES,
-    RuntimeFigures,
-    data_parallel_bytes,
-    probe_runtime,
-)
+from pipec.probe import SCHEDULE_MICRO_BATCHES, RuntimeFigures, probe_runtime
 from pipec.schedule import ZERO_BUBBLE, simulate, stage_device
 
 log = logging.getLogger(__name__)
@@ -145,9 +141,11 @@ def _runtime(target: Target, processes: int) -> RuntimeFigures | None:
 
 def _with_runtime(device: Device, runtime: RuntimeFigures) -> Device:
     collective, bandwidth = data_parallel_fit(runtime)
+    blocking, drift = blocking_fit(runtime)
     return replace(device, intra_node_latency_s=runtime.latency_s,
                    intra_node_bandwidth=runtime.bandwidth, allreduce_bandwidth=bandwidth,
-                   step_collective_s=collective, action_overhead_s=runtime.action_overhead_s,
+                   step_collective_s=collective, blocking_collective_s=blocking,
+                   blocking_drift=drift, action_overhead_s=runtime.action_overhead_s,
                    step_overhead_s=runtime.step_overhead_s,
                    schedule_action_s=schedule_action_s(runtime),
                    split_backward_node_s=runtime.split_backward_node_s,
@@ -175,6 +173,20 @@ def data_parallel_fit(runtime: RuntimeFigures) -> tuple[float, float]:
             - data_parallel_collectives(large) * collective
         bandwidth = share * large / bytes_s if bytes_s > 0 else runtime.allreduce_bandwidth
     return collective, bandwidth
+
+
+def blocking_fit(runtime: RuntimeFigures) -> tuple[float, float]:
+    """A blocking all-reduce's cost in a pass as a + drift · √T, T the compute since the one
+    before, through the blocking probe's two sizes: between two waits each replica's compute
+    wanders by independent amounts (its kernels' times, what else the cores run), which add up
+    as a random walk's, ∝ √T; the replica that waits waits for the other's lead. (0, 0) where
+    not measured."""
+    if len(runtime.blocking_s) < 2:
+        return 0.0, 0.0
+    (short_s, short_extra), (long_s, long_extra) = runtime.blocking_s[:2]
+    rise = math.sqrt(long_s) - math.sqrt(short_s)
+    drift = max((long_extra - short_extra) / rise, 0.0) if rise > 0 else 0.0
+    return max(short_extra - drift * math.sqrt(short_s), 0.0), drift
 
 
 def schedule_action_s(runtime: RuntimeFigures) -> tuple[tuple[str, float], ...]:

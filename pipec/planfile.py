@@ -46,6 +46,12 @@ def plan_dict(plan: Plan, norms: NormPlan, traced: Traced) -> dict[str, Any]:
                 "per_action": action_s(request.devices, plan.schedule),
                 "per_step": max(d.step_overhead_s for d in request.devices)},
             "shared_cores": _shared_cores(request, plan.dp),
+            # Inside the stages' times: what the synchronized BatchNorms wait a step, and an
+            # all-reduce blocking a pass as measured (pipec.allreduces; 0, 0: not measured).
+            "synchronized_norm_s": plan.synchronized_norm_s,
+            "blocking_all_reduce": {
+                "latency_s": max(d.blocking_collective_s for d in request.devices),
+                "drift_s_per_sqrt_s": max(d.blocking_drift for d in request.devices)},
             "peak_memory_bytes": list(plan.device_memory_bytes),
             "memory_terms": [{**_sum_terms(s.memory for s in plan.stages if s.device == d),
                               "runtime": plan.device_memory_bytes[d] - sum(

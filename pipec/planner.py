@@ -27,6 +27,7 @@ from pipec.planning.evaluate import (
     stage_bwd_s,
     stage_fwd_s,
     step_terms,
+    synchronized_norm_s,
     timeline,
     unlimited,
 )
@@ -87,7 +88,8 @@ def plan(graph: CostGraph, request: PlanRequest) -> Plan:
         virtual_stages=chosen.layout.virtual, pruned=found.pruned,
         replicas_inner=chosen.layout.replicas_inner, fsdp=chosen.layout.fsdp,
         device_memory_bytes=chosen.memory, decision=decision,
-        step_terms=step_terms(costs, chosen))
+        step_terms=step_terms(costs, chosen),
+        synchronized_norm_s=synchronized_norm_s(chosen))
 
 
 def _pp_dp(layout: Layout) -> Layout:

@@ -19,7 +19,10 @@ with as many processes as the training will run on this machine (pipec.measured 
 - **data-parallel steps**: a stack of linear layers trained under DistributedDataParallel over
   every process, with the loss's all-reduce, against the same steps without them, at two
   gradient sizes (pipec.measured fits DDP's time per step in context: its all-reduces start
-  after compute, when gloo's threads must wake on cores the training keeps busy).
+  after compute, when gloo's threads must wake on cores the training keeps busy);
+- **blocking all-reduces**: conv → BatchNorm → ReLU blocks with an all-reduce of a BatchNorm's
+  statistics after each, forward and backward, against the same blocks without, at two image
+  sizes: what a synchronized BatchNorm's waits cost in a pass (pipec.allreduces).
 """
 
 from __future__ import annotations
@@ -43,15 +46,21 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from pipec.allreduces import (
+    ALLREDUCE_BYTES,
+    DATA_PARALLEL_WIDTHS,
+    allreduce_s,
+    blocking_s,
+    data_parallel_s,
+    step_s,
+)
+from pipec.timers import mean_s, median_s
+
 log = logging.getLogger(__name__)
 
 LINK_SIZES = (4, 64 * 1024, 1024 * 1024, 4 * 1024 * 1024)
-ALLREDUCE_BYTES = 4 * 1024 * 1024
 MICRO_BATCHES = 16
 SCHEDULE_MICRO_BATCHES = 8
-# The data-parallel probe: 4 layers of each width (gradients of 16 KiB and 4 MiB), 32 samples.
-DATA_PARALLEL_WIDTHS = (32, 512)
-DATA_PARALLEL_LAYERS = 4
 TIMEOUT_S = 120  # a worker that fails or is killed must not hang the compile
 
 
@@ -70,6 +79,9 @@ class RuntimeFigures:
     data_parallel_s: tuple[float, float]
     # What selective recomputation adds per autograd operation, forward or recomputing.
     selective_node_s: float
+    # Per size of the blocking probe (pipec.allreduces): the compute between two blocking
+    # all-reduces and what each adds to the step, seconds (none with one process).
+    blocking_s: tuple[tuple[float, float], ...]
 
 
 def probe_runtime(processes: int, threads: int) -> RuntimeFigures:
@@ -77,7 +89,7 @@ def probe_runtime(processes: int, threads: int) -> RuntimeFigures:
     measures only itself (no links, no contention)."""
     if processes < 2:
         return RuntimeFigures(1, 0.0, 0.0, 0.0, 0.0, 0.0, {}, 0.0, (0.0, 0.0),
-                              _selective_node_s())
+                              _selective_node_s(), ())
     context = mp.get_context("fork")
     results = context.Queue()
     port = _free_port()
@@ -116,21 +128,13 @@ def _worker(rank: int, world: int, port: int, threads: int, results: Any) -> Non
         figures = {"links": _links(rank),
                    "action": _action_overhead(rank), "schedules": _schedule_steps(rank),
                    "split": _split_backward_node_s(), "selective": _selective_node_s(),
-                   "allreduce": _allreduce_s(), "step": _step_s(),
-                   "data_parallel": [_data_parallel_s(w) for w in DATA_PARALLEL_WIDTHS]}
+                   "allreduce": allreduce_s(), "step": step_s(),
+                   "data_parallel": [data_parallel_s(w) for w in DATA_PARALLEL_WIDTHS],
+                   "blocking": blocking_s()}
         dist.destroy_process_group()
         results.put((rank, figures))
     except Exception as exc:  # reported to the parent, which raises it
         results.put((rank, f"rank {rank}: {exc!r}"))
-
-
-def _median_s(run: Callable[[], object], repeats: int) -> float:
-    times = []
-    for _ in range(repeats + 1):
-        started = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times[1:])
 
 
 def side_by_side(run: Callable[[], object], processes: int, repeats: int = 10) -> float:
@@ -139,7 +143,7 @@ def side_by_side(run: Callable[[], object], processes: int, repeats: int = 10) -
     copies, waiting on a semaphore (not in torch.distributed, whose waits would hold a core)."""
     if processes < 2:
         return 1.0
-    alone = _mean_s(run, repeats)
+    alone = mean_s(run, repeats)
     context = mp.get_context("fork")
     barrier, results = context.Barrier(processes, timeout=TIMEOUT_S), context.Queue()
     copies = [context.Process(target=_run_together, args=(run, repeats, barrier, results))
@@ -148,10 +152,10 @@ def side_by_side(run: Callable[[], object], processes: int, repeats: int = 10) -
         copy.start()
     try:
         barrier.wait()
-        together = [_mean_s(run, repeats)] + [results.get(timeout=TIMEOUT_S) for _ in copies]
+        together = [mean_s(run, repeats)] + [results.get(timeout=TIMEOUT_S) for _ in copies]
         # Alone again, after: a passing load on the machine (another program) inflates one of
         # the two measurements alone, not both.
-        alone = min(alone, _mean_s(run, repeats))
+        alone = min(alone, mean_s(run, repeats))
     except (threading.BrokenBarrierError, queue.Empty):
         raise RuntimeError(f"the side-by-side copies did not answer in {TIMEOUT_S} s") from None
     finally:
@@ -164,18 +168,7 @@ def side_by_side(run: Callable[[], object], processes: int, repeats: int = 10) -
 
 def _run_together(run: Callable[[], object], repeats: int, barrier: Any, results: Any) -> None:
     barrier.wait()
-    results.put(_mean_s(run, repeats))
-
-
-def _mean_s(run: Callable[[], object], repeats: int) -> float:
-    """Seconds per run over ``repeats`` runs in a row, after one to warm up. The whole span,
-    not a median of runs: processes sharing a core take turns in time slices longer than a
-    short run, so most single runs would see a core of their own."""
-    run()
-    started = time.perf_counter()
-    for _ in range(repeats):
-        run()
-    return (time.perf_counter() - started) / repeats
+    results.put(mean_s(run, repeats))
 
 
 def _links(rank: int) -> dict[int, float]:
@@ -254,7 +247,7 @@ def _pipeline_step_s(schedule: str, rank: int, group: Any,
         dist.barrier(group=group)
         runner.step(*((inputs,) if rank == 0 else ()), target=inputs if last else None)
 
-    return _median_s(step, 12)
+    return median_s(step, 12)
 
 
 def _split_backward_node_s() -> float:
@@ -279,7 +272,7 @@ def _split_backward_node_s() -> float:
                 _backward.stage_backward([out], [torch.ones_like(out)], [x])
         return run
 
-    extra = _median_s(backward(True), 20) - _median_s(backward(False), 20)
+    extra = median_s(backward(True), 20) - median_s(backward(False), 20)
     nodes = autograd_nodes(model(torch.ones(8, 16, requires_grad=True)))
     return max(extra, 0.0) / nodes
 
@@ -317,7 +310,7 @@ def _selective_node_s() -> float:
             out.sum().backward()
         return step
 
-    extra = _median_s(run(True), 20) - _median_s(run(False), 20)
+    extra = median_s(run(True), 20) - median_s(run(False), 20)
     nodes = autograd_nodes(chain(torch.ones(8, 16, requires_grad=True)))
     return max(extra, 0.0) / (2 * nodes)
 
@@ -338,54 +331,7 @@ def _plain_action_s(layer: nn.Module) -> float:
     def forward_backward() -> None:
         layer(x).sum().backward()
 
-    return _median_s(forward_backward, 50) / 2
-
-
-def _allreduce_s() -> float:
-    tensor = torch.zeros(ALLREDUCE_BYTES // 4)
-    return _median_s(lambda: dist.all_reduce(tensor), 8)
-
-
-def _step_s() -> float:
-    value = torch.zeros(1)
-    return _median_s(lambda: dist.all_reduce(value), 20)
-
-
-def data_parallel_bytes(width: int) -> int:
-    """The gradient bytes of the data-parallel probe's model at ``width``."""
-    return DATA_PARALLEL_LAYERS * (width * width + width) * 4
-
-
-def _data_parallel_s(width: int) -> float:
-    """What DistributedDataParallel and the loss's all-reduce add to a training step of
-    DATA_PARALLEL_LAYERS linear layers of ``width`` (the median of three rounds, each
-    alternating the two)."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    torch.manual_seed(0)
-    plain = nn.Sequential(*(nn.Linear(width, width) for _ in range(DATA_PARALLEL_LAYERS)))
-    replicated = DistributedDataParallel(plain, gradient_as_bucket_view=True)
-    x = torch.ones(32, width)
-
-    def step(model: nn.Module, synchronized: bool) -> Callable[[], None]:
-        optimizer = torch.optim.SGD(model.parameters(), lr=1e-6)
-
-        def run() -> None:
-            optimizer.zero_grad(set_to_none=True)
-            loss = model(x).square().mean()
-            loss.backward()
-            if synchronized:
-                dist.all_reduce(loss.detach())
-            optimizer.step()
-        return run
-
-    extra = []
-    for _ in range(3):  # the mean over steps: the all-reduce's waits come in rare long ones
-        dist.barrier()
-        alone = _mean_s(step(plain, False), 20)
-        dist.barrier()
-        extra.append(_mean_s(step(replicated, True), 20) - alone)
-    return max(statistics.median(extra), 0.0)
+    return median_s(forward_backward, 50) / 2
 
 
 def _combine(processes: int, figures: list[dict[str, Any]]) -> RuntimeFigures:
@@ -398,9 +344,18 @@ def _combine(processes: int, figures: list[dict[str, Any]]) -> RuntimeFigures:
                           {s: max(figures[0]["schedules"][s], figures[1]["schedules"][s])
                            for s in figures[0]["schedules"]},
                           statistics.median(f["split"] for f in figures),
-                   (max(f["data_parallel"][0] for f in figures),
-                    max(f["data_parallel"][1] for f in figures)),
-                   statistics.median(f["selective"] for f in figures))
+                          (max(f["data_parallel"][0] for f in figures),
+                           max(f["data_parallel"][1] for f in figures)),
+                          statistics.median(f["selective"] for f in figures),
+                          _blocking(figures))
+
+
+def _blocking(figures: list[dict[str, Any]]) -> tuple[tuple[float, float], ...]:
+    """Per size of the blocking probe, the median compute over the processes and the largest
+    wait: every process waits for the slowest, so each measures about the same step."""
+    return tuple((statistics.median(f["blocking"][i][0] for f in figures),
+                  max(f["blocking"][i][1] for f in figures))
+                 for i in range(len(figures[0]["blocking"])))
 
 
 def _fit_link(one_way: dict[int, float]) -> tuple[float, float]:

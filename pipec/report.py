@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from html import escape
 
 from tabulate import tabulate
@@ -9,7 +10,7 @@ from tabulate import tabulate
 from pipec.normalize import NormPlan
 from pipec.planner import Plan
 from pipec.schedule import Simulation
-from pipec.units import mib, module_list
+from pipec.units import duration, mib, module_list
 
 TOP_CANDIDATES = 10
 
@@ -83,12 +84,26 @@ def max_batch_table(plan: Plan) -> str:
     return tabulate(rows, ("method", "max global batch", "÷ conventional"), tablefmt="github")
 
 
-def norm_table(norms: NormPlan) -> str:
+def norm_table(norms: NormPlan, plan: Plan) -> str:
     if not norms.rewrites:
         return "No normalization layer rewritten."
     rows = [(r.module, r.from_, f"GroupNorm({r.groups}, {r.channels})" if r.groups else
              f"{r.to}({r.channels}) over the data-parallel group") for r in norms.rewrites]
-    return tabulate(rows, ("module", "from", "to"), tablefmt="github")
+    return tabulate(rows, ("module", "from", "to"), tablefmt="github") + _synchronized(plan)
+
+
+def _synchronized(plan: Plan) -> str:
+    """What the synchronized BatchNorms' all-reduces cost a step, and how it was modelled."""
+    if plan.synchronized_norm_s <= 0:
+        return ""
+    device = plan.request.devices[0]
+    per_root_ms = device.blocking_drift / math.sqrt(1000)  # seconds per √millisecond
+    how = "each the all-reduce's latency and the wait of one after compute"
+    if device.blocking_collective_s or device.blocking_drift:
+        how = (f"each {duration(device.blocking_collective_s)} + {duration(per_root_ms)} × "
+               "√(milliseconds of compute since the one before), as measured on this machine")
+    return (f"\n\nTheir all-reduces (statistics forward, gradient sums backward, per "
+            f"micro-batch) wait {duration(plan.synchronized_norm_s)} a step: {how}.")
 
 
 # Timeline geometry, in SVG user units.

@@ -13,7 +13,13 @@ import pytest
 from conftest import SAMPLES, compile_to
 from pipec.calibrate import profile_model, save_calibration
 from pipec.errors import ConfigError
-from pipec.measured import Target, cache_key, data_parallel_fit, training_threads
+from pipec.measured import (
+    Target,
+    blocking_fit,
+    cache_key,
+    data_parallel_fit,
+    training_threads,
+)
 from pipec.planner import Plan
 from pipec.probe import RuntimeFigures
 
@@ -73,6 +79,9 @@ def test_several_processes_measure_the_training_runtime_too(tmp_path: Path, cach
     device = plan.request.devices[0]
     assert device.intra_node_latency_s == runtime["latency_s"]
     assert runtime["data_parallel_s"][0] > 0
+    assert len(runtime["blocking_s"]) == 2 and runtime["blocking_s"][1][1] > 0
+    assert (device.blocking_collective_s, device.blocking_drift) == \
+        blocking_fit(RuntimeFigures(**runtime))
     # The data-parallel terms are the fit of the cached figures, not the probe's lone all-reduce.
     assert (device.step_collective_s, device.allreduce_bandwidth) == \
         data_parallel_fit(RuntimeFigures(**runtime))

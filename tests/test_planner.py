@@ -520,3 +520,23 @@ def test_each_all_reduce_of_a_data_parallel_step_pays_the_wait(tmp_path: Path) -
     collectives = 2 * norms * 2 + data_parallel_collectives(params * 4)  # 2 micro-batches
     assert plans[1e-3].iteration_s - plans[0.0].iteration_s == pytest.approx(
         collectives * 1e-3)
+    predicted = json.loads((tmp_path / "0.001" / "plan.json").read_text())["predicted"]
+    assert predicted["synchronized_norm_s"] == plans[1e-3].synchronized_norm_s > 2 * norms * 2e-3
+    assert "the wait of one after compute" in (tmp_path / "0.001" / "report.md").read_text()
+
+
+def test_a_synchronized_batch_norm_pays_the_measured_blocking_wait(tmp_path: Path) -> None:
+    # The same ResNet with an all-reduce blocking a pass measured at 1 ms + 10 ms/√s × √T:
+    # every BatchNorm waits at least the 1 ms, forward and backward, per micro-batch.
+    path = tmp_path / "cpu.json"
+    path.write_text(json.dumps({**asdict(PRESETS["cpu"]), "blocking_collective_s": 1e-3,
+                                "blocking_drift": 0.01}))
+    chosen = compile_to(SAMPLES / "resnet.py", tmp_path / "out", gpus=2, pp=1, batch_size=16,
+                        micro_batch=4, hardware=str(path))
+    plan_json = json.loads((tmp_path / "out" / "plan.json").read_text())
+    norms = sum(r["to"] == "SyncBatchNorm" for r in plan_json["norm_rewrites"])
+    assert chosen.synchronized_norm_s > 2 * norms * 2 * 1e-3
+    assert plan_json["predicted"]["blocking_all_reduce"] == {"latency_s": 1e-3,
+                                                             "drift_s_per_sqrt_s": 0.01}
+    assert "1.000 ms + 0.316 ms × √(milliseconds of compute since the one before), as " \
+        "measured on this machine" in (tmp_path / "out" / "report.md").read_text()

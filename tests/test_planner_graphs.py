@@ -7,16 +7,21 @@ terms of ``pipec.stagememory.stage_memory`` (docs/cost-model.md), not by the pla
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import replace
 
+import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from pipec.annotate import CostGraph, Linear, LossCost, NodeCost
 from pipec.costmodel import Training
 from pipec.errors import InfeasibleError
 from pipec.hardware import Device
 from pipec.planner import MaxBatch, Plan, PlanRequest, plan
+from pipec.planning.costs import compute_between
 from pipec.stagememory import StageMemory
 
 KIB, MIB = 2**10, 2**20
@@ -291,3 +296,43 @@ def test_a_device_holds_the_batch_and_each_kernel_once_whatever_its_stages() -> 
     assert data == [16 * 2 * KIB, 0.0, 0.0, 0.0]  # the last stage's targets: made on device 0
     kernels = [sum(s.memory.kernels for s in chosen.stages if s.device == d) for d in (0, 1)]
     assert kernels == [2 * MIB, MIB]  # C and D on device 0, C on device 1: once each
+
+
+def test_a_synchronized_batch_norm_waits_as_measured_for_the_compute_before_it() -> None:
+    """2 replicas of a 4-node chain, one micro-batch of 8 each (8 ms forward, 16 ms backward per
+    node); nodes 1 and 3 BatchNorms of 4 channels, synchronized. Measured, an all-reduce blocking
+    a pass costs 1 ms + 10 ms/√s × √(compute since the one before): forward, node 1 after
+    node 0's backward and nodes 0 and 1's forward (32 ms), node 3 after 16 ms; backward the
+    same, in reverse. Unmeasured, only the bytes (no latency here)."""
+    channels = {1: 4, 3: 4}
+    graph = _chain([1e9] * 4)
+    graph = replace(graph, nodes=tuple(replace(n, batch_norm_channels=channels.get(i, 0))
+                                       for i, n in enumerate(graph.nodes)))
+    measured = replace(_device(), blocking_collective_s=1e-3, blocking_drift=0.01)
+    request = _request([measured] * 2, global_batch=16, pp=1, micro_batch=8, schedule="1f1b")
+    chosen = plan(graph, request)
+    waits = 4e-3 + 2 * 0.01 * (math.sqrt(0.032) + math.sqrt(0.016))
+    bytes_s = 2 * ((2 * 4 + 1) * 4 + 2 * 4 * 4) / 1e10  # 2(d − 1)/d = 1 of the bytes, per node
+    assert chosen.synchronized_norm_s == pytest.approx(waits + bytes_s)
+    unmeasured = plan(graph, replace(request, devices=(_device(),) * 2))
+    assert unmeasured.synchronized_norm_s == pytest.approx(bytes_s)
+    assert chosen.iteration_s - unmeasured.iteration_s == pytest.approx(waits)
+
+
+def test_the_compute_between_blocking_nodes_wraps_around_a_micro_batch() -> None:
+    fwd, bwd = np.array([1.0, 2.0, 3.0, 4.0]), np.array([10.0, 20.0, 30.0, 40.0])
+    between = compute_between(fwd, bwd, np.array([False, True, False, True]))
+    assert [list(b) for b in between] == [[0, 13, 0, 7], [0, 50, 0, 40]]
+    assert [list(b) for b in compute_between(fwd, bwd, np.zeros(4, dtype=bool))] == \
+        [[0.0] * 4, [0.0] * 4]
+
+
+@given(st.lists(st.tuples(st.floats(0, 1), st.floats(0, 1), st.booleans()), min_size=1,
+                max_size=12))
+def test_the_compute_between_blocking_nodes_adds_up_to_a_micro_batch(
+        nodes: list[tuple[float, float, bool]]) -> None:
+    fwd, bwd, blocking = (np.array(column) for column in zip(*nodes, strict=True))
+    between = np.array(compute_between(fwd, bwd, blocking))
+    total = fwd.sum() + bwd.sum() if blocking.any() else 0.0
+    assert between.sum() == pytest.approx(total)
+    assert not between[:, ~blocking].any()

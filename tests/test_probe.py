@@ -9,19 +9,19 @@ from dataclasses import replace
 import pytest
 import torch
 
+from pipec.allreduces import DATA_PARALLEL_WIDTHS, data_parallel_bytes
 from pipec.costmodel import allreduce_s, data_parallel_collectives
 from pipec.hardware import PRESETS
 from pipec.measured import (
+    blocking_fit,
     data_parallel_fit,
     probe_cuts,
     schedule_action_s,
 )
 from pipec.probe import (
-    DATA_PARALLEL_WIDTHS,
     SCHEDULE_MICRO_BATCHES,
     RuntimeFigures,
     _fit_link,
-    data_parallel_bytes,
     probe_runtime,
     side_by_side,
 )
@@ -33,7 +33,7 @@ def test_one_process_measures_nothing_it_cannot_use() -> None:
     operation and pass here (an operation's own time is a few µs: far below a millisecond)."""
     figures = probe_runtime(1, 1)
     assert replace(figures, selective_node_s=0.0) == RuntimeFigures(
-        1, 0.0, 0.0, 0.0, 0.0, 0.0, {}, 0.0, (0.0, 0.0), 0.0)
+        1, 0.0, 0.0, 0.0, 0.0, 0.0, {}, 0.0, (0.0, 0.0), 0.0, ())
     assert 1e-7 < figures.selective_node_s < 1e-3
     assert side_by_side(lambda: None, 1) == 1.0
 
@@ -76,6 +76,24 @@ def test_four_processes_on_this_machine() -> None:
     # Data parallelism adds to a step, more with more gradient bytes (4 MiB against 16 KiB).
     small, large = figures.data_parallel_s
     assert 0 < small < large
+    # An all-reduce blocking a pass adds to it, more after more compute (16² against 64²
+    # images: 0.5 and 5 ms between two here).
+    (short_s, short_extra), (long_s, long_extra) = figures.blocking_s
+    assert 0 < short_s < long_s and 0 < short_extra < long_extra
+
+
+def test_the_blocking_fit_goes_through_both_measured_points() -> None:
+    # 1 ms + 20 ms/√s × √T at T = 1 and 16 ms of compute between two all-reduces.
+    def extra(compute_s: float) -> float:
+        return 1e-3 + 0.02 * math.sqrt(compute_s)
+
+    blocking = ((1e-3, extra(1e-3)), (16e-3, extra(16e-3)))
+    runtime = RuntimeFigures(2, 0.0, 1e30, 0.0, 1e9, 0.0, {}, 0.0, (0.0, 0.0), 0.0, blocking)
+    assert blocking_fit(runtime) == pytest.approx((1e-3, 0.02))
+    # Nothing measured (one process), or less after more compute (noise): no drift.
+    assert blocking_fit(replace(runtime, blocking_s=())) == (0.0, 0.0)
+    noisy = ((1e-3, 2e-3), (16e-3, 1.5e-3))
+    assert blocking_fit(replace(runtime, blocking_s=noisy)) == (2e-3, 0.0)
 
 
 def test_the_data_parallel_fit_reproduces_both_measured_steps() -> None:
@@ -91,7 +109,7 @@ def test_the_data_parallel_fit_reproduces_both_measured_steps() -> None:
             + 1.5 * nbytes / 1e9
 
     runtime = RuntimeFigures(4, 100e-6, 1e30, 0.0, 5e9, 0.3e-3, {}, 0.0,
-                             (added(small), added(large)), 0.0)
+                             (added(small), added(large)), 0.0, ())
     collective, bandwidth = data_parallel_fit(runtime)
     # The bandwidth is the step's, not the probe's lone all-reduce's 5 GB/s.
     assert collective == pytest.approx(0.5e-3) and bandwidth == pytest.approx(1e9)
@@ -110,7 +128,7 @@ def test_the_data_parallel_fit_reproduces_both_measured_steps() -> None:
 def test_the_per_action_fit_reproduces_the_measured_step(schedule: str) -> None:
     link = 150e-6
     runtime = RuntimeFigures(2, link, 1e30, 50e-6, 1e9, 1e-4, {schedule: 0.03}, 0.0, (0.0, 0.0),
-                             0.0)
+                             0.0, ())
     ((name, action),) = schedule_action_s(runtime)
     assert name == schedule and action > 0
     stages = 2 if schedule in ("gpipe", "1f1b") else 4
@@ -124,4 +142,4 @@ def test_the_per_action_fit_reproduces_the_measured_step(schedule: str) -> None:
     assert step == pytest.approx(0.03, rel=1e-6)
     # A step the links alone explain leaves nothing to the runtime.
     assert schedule_action_s(RuntimeFigures(2, link, 1e30, 0.0, 1e9, 0.0, {schedule: 1e-6}, 0.0,
-                                            (0.0, 0.0), 0.0)) == ((schedule, 0.0),)
+                                            (0.0, 0.0), 0.0, ())) == ((schedule, 0.0),)

@@ -90,6 +90,9 @@ class StageCosts:
     selective_pass_s: np.ndarray | None = None
     # The CPU cores the plan's processes share (pipec.cores); None: each device computes alone.
     cores: SharedCores | None = None
+    # (n,): what a micro-batch's node waits for its synchronized BatchNorm's all-reduces,
+    # forward and backward, inside fwd_s and bwd_s (None: no BatchNorm synchronized).
+    synchronized_norm_s: np.ndarray | None = None
 
     @functools.cached_property
     def selective_again_s(self) -> np.ndarray:
@@ -196,9 +199,11 @@ class Costs:
         if norm != "group":  # BatchNorm kept: beyond the GroupNorm a profile may have timed
             kept_fwd, kept_bwd = self._kept_norm_s(micro_batch)
             fwd, bwd = np.maximum(fwd + kept_fwd, 0.0), np.maximum(bwd + kept_bwd, 0.0)
+        synchronized = None
         if norm == "sync" and layout.dp > 1:
-            sync_fwd, sync_bwd = self._synchronized_norm_s(layout, positions)
-            fwd, bwd = fwd + sync_fwd, bwd + sync_bwd
+            sync_fwd, sync_bwd = self._synchronized_norm_s(layout, positions, fwd.max(axis=0),
+                                                           bwd.max(axis=0))
+            fwd, bwd, synchronized = fwd + sync_fwd, bwd + sync_bwd, sync_fwd + sync_bwd
         arrays = self.nodes(positions[0][0], micro_batch)
         if layout.fsdp in SHARDED:
             arrays = shard_arrays(arrays, self.weight_bytes, self.request.training, layout.dp)
@@ -220,7 +225,8 @@ class Costs:
         selective = max(d.selective_node_s for d in self.request.devices)
         return StageCosts(fwd + bwd, fwd, bwd, arrays, cut, capacity, runtime, overhead,
                           bwd * self.weight_share, action, self._schedule_action_s(paired),
-                          split * self.autograd_nodes, selective * self.autograd_nodes, cores)
+                          split * self.autograd_nodes, selective * self.autograd_nodes, cores,
+                          synchronized)
 
     @staticmethod
     def _sharding_host_bytes(layout: Layout, device: Device) -> float:
@@ -244,23 +250,33 @@ class Costs:
             fwd[index[timing.node]], bwd[index[timing.node]] = timing.at(micro_batch)
         return fwd * calibration.contention, bwd * calibration.contention
 
-    def _synchronized_norm_s(self, layout: Layout, positions: list[list[Device]]
-                             ) -> tuple[np.ndarray, np.ndarray]:
-        """Per node, a synchronized BatchNorm's all-reduces over the replicas: its mean, variance
-        and count forward, the gradients of its weight and bias backward (fp32), per
-        micro-batch. Small: their time is the all-reduce's latency, and its wait in a step."""
+    def _synchronized_norm_s(self, layout: Layout, positions: list[list[Device]],
+                             fwd: np.ndarray, bwd: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per node, a synchronized BatchNorm's all-reduces over the replicas, per micro-batch:
+        its mean, variance and count forward, the gradients of its weight and bias backward
+        (fp32). Small: they cost the wait, as measured within a node for an all-reduce that
+        blocks a pass (Device.blocking_collective_s, blocking_drift; ``fwd`` and ``bwd``, per
+        node, are the compute between two), else the all-reduce's latency and the wait of one
+        after compute (step_collective_s)."""
         channels = np.array([n.batch_norm_channels for n in self.graph.nodes], dtype=float)
         device = min((d for devices in positions for d in devices),
                      key=allreduce_bandwidth)
         per_node = self.request.gpus // self.request.nodes
         spans = spans_nodes(0, layout.pp, layout.dp, per_node, layout.replicas_inner)
-        # Each all-reduce starts after compute, as DDP's do: it pays the step's wait as well.
-        wait = 0.0 if spans else device.step_collective_s
-        fwd = [allreduce_s((2 * c + 1) * 4, layout.dp, device, spans) + wait if c else 0.0
-               for c in channels]
-        bwd = [allreduce_s(2 * c * 4, layout.dp, device, spans) + wait if c else 0.0
-               for c in channels]
-        return np.array(fwd), np.array(bwd)
+        measured = not spans and (device.blocking_collective_s or device.blocking_drift)
+        if measured:
+            fwd_compute, bwd_compute = compute_between(fwd, bwd, channels > 0)
+            wait_fwd = device.blocking_collective_s + device.blocking_drift * np.sqrt(fwd_compute)
+            wait_bwd = device.blocking_collective_s + device.blocking_drift * np.sqrt(bwd_compute)
+        else:  # each all-reduce starts after compute, as DDP's do: it pays the step's wait
+            wait = 0.0 if spans else device.step_collective_s
+            wait_fwd = wait_bwd = np.full(len(channels), wait)
+        latency = 0.0 if measured else allreduce_s(0.0, layout.dp, device, spans)
+        fwd_s = [allreduce_s((2 * c + 1) * 4, layout.dp, device, spans) - latency + w if c
+                 else 0.0 for c, w in zip(channels, wait_fwd, strict=True)]
+        bwd_s = [allreduce_s(2 * c * 4, layout.dp, device, spans) - latency + w if c else 0.0
+                 for c, w in zip(channels, wait_bwd, strict=True)]
+        return np.array(fwd_s), np.array(bwd_s)
 
     def _cut_s(self, layout: Layout, arrays: NodeArrays, stage: int) -> np.ndarray:
         """Stage → stage + 1 over the slowest link between the two positions' devices; nothing
@@ -297,3 +313,23 @@ class Costs:
         return float(np.min([a.fwd_s + a.bwd_s * (1 - self.weight_share) for a in times],
                             axis=0).sum())
 
+
+
+def compute_between(fwd: np.ndarray, bwd: np.ndarray, blocking: np.ndarray
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """Per node that blocks (``blocking``), the compute since the block before it, forward and
+    backward. A micro-batch runs the nodes forward then backward, in reverse, and the next
+    micro-batch follows: the first block's compute wraps around from the last's (a plan with
+    no blocking node has none)."""
+    order = [(float(t), i, 0) for i, t in enumerate(fwd)] + \
+        [(float(bwd[i]), i, 1) for i in reversed(range(len(bwd)))]
+    between = np.zeros((2, len(fwd)))
+    blocks = [k for k, (_, i, _) in enumerate(order) if blocking[i]]
+    if not blocks:
+        return between[0], between[1]
+    for previous, current in zip([blocks[-1], *blocks[:-1]], blocks, strict=False):
+        span = range(previous + 1, current + 1) if previous < current else \
+            [*range(previous + 1, len(order)), *range(current + 1)]
+        _, i, pass_ = order[current]
+        between[pass_, i] = sum(order[k][0] for k in span)
+    return between[0], between[1]

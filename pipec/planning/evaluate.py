@@ -125,6 +125,18 @@ def step_terms(costs: Costs, e: Evaluated) -> dict[str, float]:
             "data": data_s(costs), "runtime": step_overhead_s(costs)}
 
 
+def synchronized_norm_s(e: Evaluated) -> float:
+    """What a step of the slowest position waits for its synchronized BatchNorms' all-reduces
+    (plan.json ``predicted.synchronized_norm_s``), inside its stages' times."""
+    per_node = e.stage_costs.synchronized_norm_s
+    if per_node is None:
+        return 0.0
+    spans = list(itertools.pairwise(e.boundaries))
+    return e.num_micro_batches * max(sum(float(per_node[a:b].sum())
+                                         for a, b in _spans_on(e, spans, p))
+                                     for p in range(e.layout.pp))
+
+
 def step_overhead_s(costs: Costs) -> float:
     """The runtime's own time per optimizer step (the slowest device's)."""
     return max(d.step_overhead_s for d in costs.request.devices)

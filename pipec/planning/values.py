@@ -128,6 +128,9 @@ class Plan:
     decision: Decision | None = None  # pipec's choice and its runner-up; None under --strategy
     # Seconds a step takes besides its schedule, by term (all_reduce, optimizer, data, runtime).
     step_terms: dict[str, float] = field(default_factory=dict)
+    # Seconds of a step (the pipeline's, per replica) its synchronized BatchNorms wait for
+    # their all-reduces, inside the stages' times (0: none synchronized).
+    synchronized_norm_s: float = 0.0
     # Ranks: a position's replicas on neighbouring ranks (True) or a replica's positions.
     replicas_inner: bool = False
     fsdp: str = "off"  # "zero2"/"zero3": FSDP over each stage's replicas in place of DDP

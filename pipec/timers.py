@@ -1,0 +1,29 @@
+"""Wall-clock timing of a repeated run, as the runtime probes take it (pipec.probe,
+pipec.allreduces)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+
+def median_s(run: Callable[[], object], repeats: int) -> float:
+    """The median seconds of ``repeats`` runs, after one to warm up."""
+    times = []
+    for _ in range(repeats + 1):
+        started = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times[1:])
+
+
+def mean_s(run: Callable[[], object], repeats: int) -> float:
+    """Seconds per run over ``repeats`` runs in a row, after one to warm up. The whole span,
+    not a median of runs: processes sharing a core take turns in time slices longer than a
+    short run, so most single runs would see a core of their own."""
+    run()
+    started = time.perf_counter()
+    for _ in range(repeats):
+        run()
+    return (time.perf_counter() - started) / repeats
