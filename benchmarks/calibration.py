@@ -26,7 +26,8 @@ from typing import Any
 import torch
 from tabulate import tabulate
 
-from pipec.calibrate import profile_model, save_calibration
+from pipec.calibrate import profile_model
+from pipec.calibrationfile import save_calibration
 from pipec.driver import CompileOptions, compile_model
 from pipec.outdir import emitted_modules
 

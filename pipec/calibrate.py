@@ -15,12 +15,11 @@ forward and one for backward, gives constants for any other model on the same de
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +35,7 @@ from pipec.loader import load_model_file
 from pipec.normalize import NormRewrite, group_norm_rewrites, to_group_norm
 from pipec.normtimes import kept_norm_timings
 from pipec.probe import side_by_side
+from pipec.splittimes import split_backward_timing
 from pipec.steptimes import data_seconds, loss_timing
 from pipec.tensors import flat_tensors
 from pipec.trace import Traced, batch_inputs, trace_model
@@ -100,7 +100,8 @@ def profile_model(model: Path, batch_size: int, device: str = "cpu", repeats: in
                        getattr(spec.module, "loss_fn", F.cross_entropy), target, repeats)
     return (Calibration(target.type, forward, backward, _timings(graph, samples), overhead,
                         contention=contention, data_s=data_seconds(spec, sizes), loss=loss,
-                        kept_norm=kept_norm),
+                        kept_norm=kept_norm,
+                        split_backward=split_backward_timing(real, inputs, target)),
             tuple(samples))
 
 
@@ -368,32 +369,3 @@ def measured_saved_bytes(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...
     return sum(seen.values())
 
 
-def save_calibration(calibration: Calibration, path: Path) -> None:
-    path.write_text(json.dumps(asdict(calibration), indent=2, sort_keys=True) + "\n")
-
-
-def load_calibration(path: Path) -> Calibration:
-    try:
-        data = json.loads(path.read_text())
-        nodes = tuple(_node_timing(t) for t in data.get("nodes", ()))
-        overhead = tuple(map(float, data.get("stage_overhead_s", (0.0, 0.0))))
-        data_s = tuple(map(float, data.get("data_s", (0.0, 0.0))))
-        loss = _node_timing(data["loss"]) if data.get("loss") else None
-        return Calibration(str(data["device"]), Fit(**data["forward"]), Fit(**data["backward"]),
-                           nodes, (overhead[0], overhead[1]),
-                           str(data.get("source", "pipec profile")),
-                           float(data.get("contention", 1.0)), (data_s[0], data_s[1]), loss,
-                           tuple(_node_timing(t) for t in data.get("kept_norm", ())))
-    except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
-        raise ConfigError(f"calibration file {path}: {exc}; make one with pipec profile") from None
-
-
-def _node_timing(data: dict[str, Any]) -> NodeTiming:
-    timing = NodeTiming(str(data["node"]), str(data["target"]), tuple(map(int, data["sizes"])),
-                        tuple(map(float, data["fwd_s"])), tuple(map(float, data["bwd_s"])))
-    sizes = timing.sizes
-    if not sizes or sizes[0] < 1 or list(sizes) != sorted(set(sizes)) or not (
-            len(sizes) == len(timing.fwd_s) == len(timing.bwd_s)):
-        raise ValueError(f"node {timing.node!r}: sizes must be ascending positive micro-batch "
-                         "sizes, one forward and one backward time for each")
-    return timing

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pipec import __version__
-from pipec.calibrate import PROFILE_NORMS, load_calibration, profile_model, save_calibration
+from pipec.calibrate import PROFILE_NORMS, profile_model
+from pipec.calibrationfile import load_calibration, save_calibration
 from pipec.compare import compare
 from pipec.compare import render as render_comparison
 from pipec.costmodel import Fit, Training

@@ -94,14 +94,19 @@ class Calibration:
     # Per BatchNorm node timed as the GroupNorm of a pipelined plan (--norm auto): what its
     # BatchNorm takes more, forward and backward (pipec.normtimes), for plans that keep it.
     kept_norm: tuple[NodeTiming, ...] = ()
+    # What splitting the whole model's backward (a zero-bubble schedule's stages but the first)
+    # adds to its one backward, as ``bwd_s`` at the sizes measured (pipec.splittimes; None:
+    # not measured).
+    split_backward: NodeTiming | None = None
 
     def bind(self, graph: CostGraph) -> Calibration:
-        """This calibration for ``graph``: its node timings (and its model's loss, data and
-        BatchNorms) kept only if they are of ``graph`` (the same nodes, in the same order)."""
+        """This calibration for ``graph``: its node timings (and its model's loss, data,
+        BatchNorms and split backward) kept only if they are of ``graph`` (the same nodes, in
+        the same order)."""
         same = [(n.name, n.target) for n in graph.nodes] == [(t.node, t.target)
                                                              for t in self.nodes]
         return self if same else replace(self, nodes=(), loss=None, data_s=(0.0, 0.0),
-                                          kept_norm=())
+                                          kept_norm=(), split_backward=None)
 
 
 def _interpolate(sizes: tuple[int, ...], seconds: tuple[float, ...], micro_batch: int) -> float:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pipec.annotate import CostGraph, annotate
-from pipec.calibrate import load_calibration
+from pipec.calibrationfile import load_calibration
 from pipec.costmodel import Training
 from pipec.emit import Emitted, emit
 from pipec.errors import ConfigError

@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 
 from pipec.allreduces import DATA_PARALLEL_WIDTHS, data_parallel_bytes
-from pipec.calibrate import PROFILE_SIZES, load_calibration, profile_model, save_calibration
+from pipec.calibrate import PROFILE_SIZES, profile_model
+from pipec.calibrationfile import load_calibration, save_calibration
 from pipec.costmodel import Calibration, data_parallel_collectives
 from pipec.errors import ConfigError, PipecError
 from pipec.hardware import Device
@@ -36,7 +37,7 @@ from pipec.schedule import ZERO_BUBBLE, simulate, stage_device
 log = logging.getLogger(__name__)
 
 MEASURE_CHOICES = ("auto", "off")
-CACHE_VERSION = 2  # bump when what is measured, or how, changes
+CACHE_VERSION = 3  # bump when what is measured, or how, changes
 REPEATS = 10  # passes per micro-batch size, as pipec profile's default, at least
 # This machine's speed drifts by ±15 % from one 2-second window to the next (a shared virtual
 # machine): passes spread over this many seconds average it out.

@@ -15,13 +15,8 @@ from torch import nn
 
 from conftest import MODELS, SAMPLES, compile_to
 from pipec.annotate import annotate
-from pipec.calibrate import (
-    Sample,
-    fit_samples,
-    load_calibration,
-    profile_model,
-    save_calibration,
-)
+from pipec.calibrate import Sample, fit_samples, profile_model
+from pipec.calibrationfile import load_calibration, save_calibration
 from pipec.costmodel import Calibration, Fit, NodeTiming
 from pipec.errors import ConfigError
 from pipec.loader import load_model_file

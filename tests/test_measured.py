@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from conftest import SAMPLES, compile_to
-from pipec.calibrate import profile_model, save_calibration
+from pipec.calibrate import profile_model
+from pipec.calibrationfile import save_calibration
 from pipec.errors import ConfigError
 from pipec.measured import (
     Target,

@@ -10,7 +10,8 @@ import pytest
 
 from conftest import MODELS, SAMPLES, compile_to
 from pipec.annotate import annotate
-from pipec.calibrate import profile_model, save_calibration
+from pipec.calibrate import profile_model
+from pipec.calibrationfile import save_calibration
 from pipec.costmodel import Calibration, Fit, NodeTiming
 from pipec.loader import load_model_file
 from pipec.trace import trace_model

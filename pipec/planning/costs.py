@@ -82,8 +82,9 @@ class StageCosts:
     # measured apart (Device.schedule_action_s).
     action_s: float = 0.0
     schedule_action_s: tuple[tuple[str, float], ...] = ()
-    # (n,): what splitting a node's backward (zero bubble) adds: its autograd operations ×
-    # Device.split_backward_node_s (None: nothing).
+    # (n,): what splitting a node's backward (zero bubble) adds: its share of the model's
+    # measured extra, else its autograd operations × Device.split_backward_node_s (None:
+    # nothing).
     split_s: np.ndarray | None = None
     # (n,): what selective recomputation adds to each pass over a node, forward and
     # recomputing: its autograd operations × Device.selective_node_s (None: nothing).
@@ -221,12 +222,11 @@ class Costs:
         scale = calibration.contention if calibration else 1.0
         action = paired * max(d.action_overhead_s for d in self.request.devices)
         overhead = (measured[0] * scale + action, measured[1] * scale + action)
-        split = max(d.split_backward_node_s for d in self.request.devices)
         selective = max(d.selective_node_s for d in self.request.devices)
         return StageCosts(fwd + bwd, fwd, bwd, arrays, cut, capacity, runtime, overhead,
                           bwd * self.weight_share, action, self._schedule_action_s(paired),
-                          split * self.autograd_nodes, selective * self.autograd_nodes, cores,
-                          synchronized)
+                          self._split_backward_s(micro_batch, bwd.max(axis=0)),
+                          selective * self.autograd_nodes, cores, synchronized)
 
     @staticmethod
     def _sharding_host_bytes(layout: Layout, device: Device) -> float:
@@ -237,6 +237,19 @@ class Costs:
         """Per schedule, the slowest device's runtime time per action (× ``paired``)."""
         return tuple((schedule, paired * action_s(self.request.devices, schedule))
                      for schedule in SCHEDULES)
+
+    def _split_backward_s(self, micro_batch: int, bwd: np.ndarray) -> np.ndarray:
+        """Per node, what splitting its backward adds (zero bubble): the model's own measured
+        extra (Calibration.split_backward) shared out by the nodes' backward times ``bwd``,
+        with the contention; else the runtime's per autograd operation
+        (Device.split_backward_node_s)."""
+        calibration = self.request.calibration
+        timing = calibration.bind(self.graph).split_backward if calibration else None
+        if calibration is None or timing is None or bwd.sum() <= 0:
+            split = max(d.split_backward_node_s for d in self.request.devices)
+            return split * self.autograd_nodes
+        extra: np.ndarray = timing.at(micro_batch)[1] * calibration.contention * bwd / bwd.sum()
+        return extra
 
     def _kept_norm_s(self, micro_batch: int) -> tuple[np.ndarray, np.ndarray]:
         """Per node, what a kept BatchNorm takes beyond the GroupNorm the profile timed in its

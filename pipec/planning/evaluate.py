@@ -207,11 +207,12 @@ def stage_weight_s(e: Evaluated) -> list[float]:
 
 
 def _split_s(e: Evaluated) -> list[float]:
-    """Per stage, what splitting its backward adds per micro-batch (Device.split_backward_node_s
-    × its autograd operations), half to each of its two actions."""
+    """Per stage, what splitting its backward adds per micro-batch (StageCosts.split_s), half
+    to each of its two actions; nothing on the first stage, whose input needs no gradient:
+    torch runs its backward whole, in the weights' action."""
     split = e.stage_costs.split_s
-    return [0.0 if split is None else float(split[a:b].sum())
-            for a, b in itertools.pairwise(e.boundaries)]
+    return [0.0 if split is None or k == 0 else float(split[a:b].sum())
+            for k, (a, b) in enumerate(itertools.pairwise(e.boundaries))]
 
 
 def unlimited(costs: Costs, point: Point, balance: Balance,

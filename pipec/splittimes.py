@@ -1,0 +1,87 @@
+"""What a zero-bubble schedule's split backward costs a model beyond its whole backward.
+
+torch's zero-bubble schedules run a stage's backward in two calls (stage_backward_input, then
+stage_backward_weight): the input's gradient first, keeping the graph, then the weights'. The
+calls walk the autograd graph in Python, and the second runs part of some nodes' backward
+again. A fixed cost per autograd operation (the runtime probe's) missed the second part, so
+compile measures each model: its backward whole and split, at the smallest and the middle
+profiled size, after the profile's passes (a heap that has warmed up: in a fresh one the
+split's extra blocks are faulted in too, 37 ms more on the U-Net at micro-batch 4). On the
+2-core development CPU: the GPT sample 3.9 and 4.2 ms (micro-batches 1 and 8), the U-Net 4.7
+and 9.5 ms (1 and 4), the long-sequence LM 7.2 and 86 ms (1 and 4). The graph is cut at its
+first floating-point value, which takes the gradient a stage's input would.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.distributed.pipelining import _backward
+
+from pipec.costmodel import NodeTiming
+from pipec.tensors import flat_tensors
+
+SPLIT_REPEATS = 5  # backward pairs per size, after one to warm up
+
+
+def split_backward_timing(gm: fx.GraphModule, inputs: dict[int, tuple[torch.Tensor, ...]],
+                          device: torch.device) -> NodeTiming:
+    """What splitting ``gm``'s backward adds (``bwd_s``; ``fwd_s`` 0) at the smallest and the
+    middle of the sizes in ``inputs``."""
+    sizes = sorted(inputs)
+    measured = sorted({sizes[0], sizes[len(sizes) // 2]})
+    extra = tuple(_extra_s(gm, inputs[size], device) for size in measured)
+    return NodeTiming("split_backward", "", tuple(measured), (0.0,) * len(measured), extra)
+
+
+def _extra_s(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...], device: torch.device
+             ) -> float:
+    whole, split = [], []
+    for _ in range(SPLIT_REPEATS + 1):  # alternating: a drifting machine drifts under both
+        whole.append(_backward_s(gm, inputs, device, split=False))
+        split.append(_backward_s(gm, inputs, device, split=True))
+    return max(statistics.median(split[1:]) - statistics.median(whole[1:]), 0.0)
+
+
+def _backward_s(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...], device: torch.device,
+                split: bool) -> float:
+    cut = _CutAtFirstFloat(gm)
+    outputs = [t for t in flat_tensors(cut.run(*inputs)) if t.requires_grad]
+    gradients = [torch.ones_like(t) for t in outputs]
+    started = _now(device)
+    if split and cut.value is not None:
+        _, groups = _backward.stage_backward_input(outputs, gradients, [cut.value],
+                                                   gm.parameters())
+        _backward.stage_backward_weight(gm.parameters(), groups)
+    elif outputs:
+        torch.autograd.backward(outputs, gradients)
+    ended = _now(device)
+    gm.zero_grad(set_to_none=True)
+    return ended - started
+
+
+class _CutAtFirstFloat(fx.Interpreter):
+    """Runs the graph with its first floating-point value detached and asking for its
+    gradient: what a pipeline stage's received input is."""
+
+    def __init__(self, gm: nn.Module) -> None:
+        super().__init__(gm)
+        self.value: torch.Tensor | None = None
+
+    def run_node(self, n: fx.Node) -> Any:
+        result = super().run_node(n)
+        if self.value is None and isinstance(result, torch.Tensor) \
+                and result.is_floating_point():
+            result = result.detach().requires_grad_(True)
+            self.value = result
+        return result
+
+
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
