@@ -54,6 +54,7 @@ from pipec.allreduces import (
     data_parallel_s,
     step_s,
 )
+from pipec.heap import keep_freed_memory
 from pipec.timers import mean_s, median_s
 
 log = logging.getLogger(__name__)
@@ -86,7 +87,9 @@ class RuntimeFigures:
 
 def probe_runtime(processes: int, threads: int) -> RuntimeFigures:
     """Fork ``processes`` workers with ``threads`` threads each and measure; one process
-    measures only itself (no links, no contention)."""
+    measures only itself (no links, no contention). The workers' heap is train.py's
+    (pipec.heap)."""
+    keep_freed_memory()
     if processes < 2:
         return RuntimeFigures(1, 0.0, 0.0, 0.0, 0.0, 0.0, {}, 0.0, (0.0, 0.0),
                               _selective_node_s(), ())
