@@ -106,36 +106,3 @@ def test_mkl_keeps_no_buffer_pool_from_before_torch_loads(outputs: dict[str, Pat
                        if isinstance(node, ast.Import | ast.ImportFrom)
                        and "torch" in ast.unparse(node))
     assert setting < first_torch
-
-
-HEAP_AFTER_A_STEP = """
-import ctypes, sys, torch
-import metrics
-class MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks",
-                "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
-libc = ctypes.CDLL("libc.so.6")
-libc.mallinfo2.restype = MallInfo2
-if sys.argv[1] == "keep":
-    metrics.keep_freed_memory()
-before = libc.mallinfo2()
-block = torch.empty(4 * 2**20).fill_(1.0)  # 16 MiB, every page written
-held = libc.mallinfo2()
-del block
-freed = libc.mallinfo2()
-print(held.hblks - before.hblks, held.arena - freed.arena)
-"""
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
-def test_a_cpu_step_keeps_the_memory_it_frees_for_the_next(outputs: dict[str, Path]) -> None:
-    # train.py on a CPU (metrics.keep_freed_memory): a 16 MiB block comes from glibc's heap
-    # and, freed, stays in it for the next step to reuse; glibc's own settings map it apart
-    # and give it back to the OS when freed (the next step faults it in again).
-    def mapped_and_trimmed(mode: str) -> list[int]:
-        run = subprocess.run([sys.executable, "-c", HEAP_AFTER_A_STEP, mode], check=True,
-                             cwd=outputs["gpt-1f1b"], capture_output=True, text=True)
-        return [int(word) for word in run.stdout.split()]
-
-    assert mapped_and_trimmed("keep") == [0, 0]
-    assert mapped_and_trimmed("glibc")[0] == 1
