@@ -1,9 +1,8 @@
 """The host heap as the emitted train.py runs it on a CPU (its metrics.keep_freed_memory): glibc
 serves blocks under 32 MiB from its heap, never trims it and grows it 256 MiB at a time, so a
 training step reuses the pages the last one freed instead of faulting them in again. pipec's
-measurements (the profile's passes, the runtime probe's forked processes) run the same way:
-otherwise a pass whose blocks glibc had given back paid for the page faults that training no
-longer does (the deep MLP at micro-batch 64 was predicted 14 % slower than it measured)."""
+measurements (the profile's passes, the runtime probe's forked processes) run the same way,
+so that a pass is timed in the heap the training's steps run in."""
 
 from __future__ import annotations
 

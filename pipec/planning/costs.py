@@ -327,7 +327,6 @@ class Costs:
                             axis=0).sum())
 
 
-
 def compute_between(fwd: np.ndarray, bwd: np.ndarray, blocking: np.ndarray
                     ) -> tuple[np.ndarray, np.ndarray]:
     """Per node that blocks (``blocking``), the compute since the block before it, forward and
@@ -340,7 +339,7 @@ def compute_between(fwd: np.ndarray, bwd: np.ndarray, blocking: np.ndarray
     blocks = [k for k, (_, i, _) in enumerate(order) if blocking[i]]
     if not blocks:
         return between[0], between[1]
-    for previous, current in zip([blocks[-1], *blocks[:-1]], blocks, strict=False):
+    for previous, current in zip([blocks[-1], *blocks[:-1]], blocks, strict=True):
         span = range(previous + 1, current + 1) if previous < current else \
             [*range(previous + 1, len(order)), *range(current + 1)]
         _, i, pass_ = order[current]
