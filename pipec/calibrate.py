@@ -370,5 +370,3 @@ def measured_saved_bytes(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model(*inputs)
     return sum(seen.values())
-
-

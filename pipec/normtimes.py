@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
@@ -22,6 +21,7 @@ from torch.nn import functional as F
 from pipec.costgraph import CostGraph, NodeCost
 from pipec.costmodel import NodeTiming
 from pipec.normalize import NormRewrite
+from pipec.timers import device_now
 
 Norm = Callable[[torch.Tensor], torch.Tensor]
 
@@ -64,16 +64,10 @@ def _pass_s(norm: Norm, x: torch.Tensor, repeats: int) -> tuple[float, float]:
     gradient = torch.ones_like(x)
     forward, backward = [], []
     for _ in range(repeats + 1):
-        started = _now(x.device)
+        started = device_now(x.device)
         y = norm(x)
-        computed = _now(x.device)
+        computed = device_now(x.device)
         y.backward(gradient)
         forward.append(computed - started)
-        backward.append(_now(x.device) - computed)
+        backward.append(device_now(x.device) - computed)
     return statistics.median(forward[1:]), statistics.median(backward[1:])
-
-
-def _now(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()

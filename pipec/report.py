@@ -96,11 +96,13 @@ def _synchronized(plan: Plan) -> str:
     """What the synchronized BatchNorms' all-reduces cost a step, and how it was modelled."""
     if plan.synchronized_norm_s <= 0:
         return ""
-    device = plan.request.devices[0]
-    per_root_ms = device.blocking_drift / math.sqrt(1000)  # seconds per √millisecond
+    devices = plan.request.devices  # the figures plan.json gives, the slowest device's
+    latency = max(d.blocking_collective_s for d in devices)
+    drift = max(d.blocking_drift for d in devices)
     how = "each the all-reduce's latency and the wait of one after compute"
-    if device.blocking_collective_s or device.blocking_drift:
-        how = (f"each {duration(device.blocking_collective_s)} + {duration(per_root_ms)} × "
+    if latency or drift:
+        per_root_ms = drift / math.sqrt(1000)  # seconds per √millisecond
+        how = (f"each {duration(latency)} + {duration(per_root_ms)} × "
                "√(milliseconds of compute since the one before), as measured on this machine")
     return (f"\n\nTheir all-reduces (statistics forward, gradient sums backward, per "
             f"micro-batch) wait {duration(plan.synchronized_norm_s)} a step: {how}.")

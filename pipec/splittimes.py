@@ -6,7 +6,7 @@ calls walk the autograd graph in Python, and the second runs part of some nodes'
 again. A fixed cost per autograd operation (the runtime probe's) missed the second part, so
 compile measures each model: its backward whole and split, at the smallest and the middle
 profiled size, after the profile's passes (a heap that has warmed up: in a fresh one the
-split's extra blocks are faulted in too, 37 ms more on the U-Net at micro-batch 4). On the
+split's extra blocks are faulted in too, 36 ms more on the U-Net at micro-batch 4). On the
 2-core development CPU: the GPT sample 3.9 and 4.2 ms (micro-batches 1 and 8), the U-Net 4.7
 and 9.5 ms (1 and 4), the long-sequence LM 7.2 and 86 ms (1 and 4). The graph is cut at its
 first floating-point value, which takes the gradient a stage's input would.
@@ -15,7 +15,6 @@ first floating-point value, which takes the gradient a stage's input would.
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Any
 
 import torch
@@ -24,6 +23,7 @@ from torch.distributed.pipelining import _backward
 
 from pipec.costmodel import NodeTiming
 from pipec.tensors import flat_tensors
+from pipec.timers import device_now
 
 SPLIT_REPEATS = 5  # backward pairs per size, after one to warm up
 
@@ -52,14 +52,14 @@ def _backward_s(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...], device: to
     cut = _CutAtFirstFloat(gm)
     outputs = [t for t in flat_tensors(cut.run(*inputs)) if t.requires_grad]
     gradients = [torch.ones_like(t) for t in outputs]
-    started = _now(device)
+    started = device_now(device)
     if split and cut.value is not None:
         _, groups = _backward.stage_backward_input(outputs, gradients, [cut.value],
                                                    gm.parameters())
         _backward.stage_backward_weight(gm.parameters(), groups)
     elif outputs:
         torch.autograd.backward(outputs, gradients)
-    ended = _now(device)
+    ended = device_now(device)
     gm.zero_grad(set_to_none=True)
     return ended - started
 
@@ -79,9 +79,3 @@ class _CutAtFirstFloat(fx.Interpreter):
             result = result.detach().requires_grad_(True)
             self.value = result
         return result
-
-
-def _now(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()

@@ -13,6 +13,7 @@ from torch import fx, nn
 
 from pipec.costmodel import NodeTiming
 from pipec.loader import ModelSpec
+from pipec.timers import device_now
 
 
 def loss_timing(gm: nn.Module, inputs: dict[int, tuple[torch.Tensor, ...]],
@@ -43,17 +44,12 @@ def _to(device: torch.device) -> Any:
 
 def _loss_pass(loss_fn: Any, output: Any, target: Any, device: torch.device
                ) -> tuple[float, float]:
-    started = _now(device)
+    started = device_now(device)
     loss = loss_fn(output, target)
-    backward_started = _now(device)
+    backward_started = device_now(device)
     loss.backward()
-    return backward_started - started, _now(device) - backward_started
+    return backward_started - started, device_now(device) - backward_started
 
-
-def _now(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
 
 
 def data_seconds(spec: ModelSpec, sizes: list[int]) -> tuple[float, float]:

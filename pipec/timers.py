@@ -1,11 +1,13 @@
-"""Wall-clock timing of a repeated run, as the runtime probes take it (pipec.probe,
-pipec.allreduces)."""
+"""Wall-clock timing: of a repeated run, as the runtime probes take it (pipec.probe,
+pipec.allreduces), and of a device's work (the profile's helpers)."""
 
 from __future__ import annotations
 
 import statistics
 import time
 from collections.abc import Callable
+
+import torch
 
 
 def median_s(run: Callable[[], object], repeats: int) -> float:
@@ -27,3 +29,10 @@ def mean_s(run: Callable[[], object], repeats: int) -> float:
     for _ in range(repeats):
         run()
     return (time.perf_counter() - started) / repeats
+
+
+def device_now(device: torch.device) -> float:
+    """The clock once ``device`` has finished what was queued on it (a GPU runs behind)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
