@@ -6,18 +6,27 @@ machine) gives pipec's pick; its next `--candidates` fastest candidates that fit
 baseline (`--strategy uniform, parameters, torchgpipe, conventional`), are compiled too. Every
 distinct plan is trained under torchrun with `--metrics` for `--steps` steps (on a CPU the
 first 3 measure memory and the 4th warms up again; the rest are timed), `--rounds` times, the
-plans taking turns so that drift in the machine's speed falls on all of them alike. Per case it
-prints each plan's predicted and measured step time, then:
+plans taking turns so that drift in the machine's speed falls on all of them alike.
+
+A plan is compared with pipec's pick in pairs of launches next to each other (its step ÷ the
+pick's in the same round), since this machine's speed moves between launches by more than the
+3 % the regret target asks to resolve. Every plan that the rounds measure faster than the pick by
+more than that target, and every baseline measured faster at all, is then launched `--duels`
+more times in turn with the pick (pick first, then rival first, ...). A plan's ratio to the pick
+is the median over its pairs. Per case it prints each plan's predicted and measured step time,
+then:
 
 - the median and the worst step-time error (measured ÷ predicted − 1);
 - Spearman's rank correlation between predicted and measured step times;
-- pipec's regret: the best measured samples/s ÷ pipec's pick's;
-- whether pipec's pick measured at least as fast as every baseline.
+- pipec's regret: the fastest plan's samples/s ÷ pipec's pick's, from the paired ratios;
+- whether pipec's pick measured at least as fast as every baseline (paired ratios);
+- how far the pick's own launches spread (max − min over median): the machine's noise.
 
 Targets (issue 13): step time within ±20 % (median over cases), regret ≤ 3 % in every case,
 pipec's pick ≥ every baseline in every case.
 
-    python benchmarks/fidelity.py [--rounds 3] [--steps 12] [--only NAME ...] [--json FILE]
+    python benchmarks/fidelity.py [--rounds 3] [--steps 12] [--duels 4] [--only NAME ...]
+                                  [--json FILE]
 """
 
 from __future__ import annotations
@@ -71,6 +80,12 @@ class Entry:
     out: Path
     plan: dict[str, Any]
     measured_s: list[float] = field(default_factory=list)
+    paired: list[float] = field(default_factory=list)  # its step ÷ the pick's, launched in turn
+
+    @property
+    def relative(self) -> float:
+        """Its step ÷ pipec's pick's: the median over pairs of launches next to each other."""
+        return statistics.median(self.paired)
 
     @property
     def predicted_s(self) -> float:
@@ -146,6 +161,42 @@ def train(entry: Entry, processes: int, steps: int) -> float:
     return float(json.loads((entry.out / "metrics.json").read_text())["step_s"])
 
 
+def measure_rounds(entries: list[Entry], processes: int, steps: int, rounds: int) -> None:
+    """Every plan, in turn, ``rounds`` times; each paired with the pick's launch of its round."""
+    pick = _pick(entries)
+    for round_ in range(rounds):
+        order = entries if round_ % 2 == 0 else entries[::-1]
+        for entry in order:
+            entry.measured_s.append(train(entry, processes, steps))
+        for entry in entries:
+            entry.paired.append(entry.measured_s[-1] / pick.measured_s[-1])
+
+
+def rivals(entries: list[Entry]) -> list[Entry]:
+    """The plans the rounds measured faster than the pick by more than the regret target, and
+    the baselines measured faster at all: the ones a verdict turns on."""
+    return [e for e in entries if e.relative < 1 - TARGET_REGRET
+            or (e.relative < 1 and any(r in BASELINES for r in e.roles))]
+
+
+def duel(pick: Entry, rival: Entry, processes: int, steps: int, pairs: int) -> None:
+    """``pairs`` more launches of each, back to back, who goes first alternating."""
+    for pair in range(pairs):
+        first, second = (pick, rival) if pair % 2 == 0 else (rival, pick)
+        for entry in (first, second):
+            entry.measured_s.append(train(entry, processes, steps))
+        rival.paired.append(rival.measured_s[-1] / pick.measured_s[-1])
+
+
+def _pick(entries: list[Entry]) -> Entry:
+    return next(e for e in entries if "pipec" in e.roles)
+
+
+def spread(times: list[float]) -> float:
+    """How far launches of one plan land apart: (max − min) ÷ median."""
+    return (max(times) - min(times)) / statistics.median(times)
+
+
 def spearman(a: list[float], b: list[float]) -> float:
     """Rank correlation (ties by order; nan with fewer than 3 plans)."""
     if len(a) < 3:
@@ -156,7 +207,7 @@ def spearman(a: list[float], b: list[float]) -> float:
 
 def summary(case: Case, entries: list[Entry]) -> dict[str, Any]:
     errors = [e.step_s / e.predicted_s - 1 for e in entries]
-    pick = next(e for e in entries if "pipec" in e.roles)
+    pick = _pick(entries)
     baselines = [e for e in entries if any(r in BASELINES for r in e.roles)]
     return {
         "case": case.name, "processes": case.processes, "batch": case.batch,
@@ -164,21 +215,26 @@ def summary(case: Case, entries: list[Entry]) -> dict[str, Any]:
         "worst_error": max(errors, key=abs),
         "rank_correlation": spearman([e.predicted_s for e in entries],
                                      [e.step_s for e in entries]),
-        "regret": pick.step_s / min(e.step_s for e in entries) - 1,
-        "pick_vs_baselines": {r: e.step_s / pick.step_s for e in baselines for r in e.roles
+        "regret": 1 / min(e.relative for e in entries) - 1,
+        "pick_vs_baselines": {r: e.relative for e in baselines for r in e.roles
                               if r in BASELINES},
+        "pick_spread": spread(pick.measured_s),
         "plans": [{"roles": e.roles, "plan": e.label(), "predicted_s": e.predicted_s,
-                   "measured_s": e.measured_s} for e in entries],
+                   "measured_s": e.measured_s, "paired": e.paired} for e in entries],
     }
 
 
-def table(case: Case, entries: list[Entry]) -> str:
-    pick = next(e for e in entries if "pipec" in e.roles)
+def table(entries: list[Entry]) -> str:
     rows = [(", ".join(e.roles), e.label(), f"{e.predicted_s * 1e3:.1f}",
              f"{e.step_s * 1e3:.1f}", f"{e.step_s / e.predicted_s - 1:+.1%}",
-             f"{e.step_s / pick.step_s:.2f}") for e in entries]
+             f"{e.relative:.3f}", _pairs(e)) for e in entries]
     return tabulate(rows, ("plan of", "pp×dp, micro-batch, schedule", "predicted ms",
-                           "measured ms", "error", "÷ pipec's step"), tablefmt="github")
+                           "measured ms", "error", "÷ pipec's step", "pairs: range"),
+                    tablefmt="github")
+
+
+def _pairs(e: Entry) -> str:
+    return f"{len(e.paired)}: {min(e.paired):.2f}–{max(e.paired):.2f}"
 
 
 def verdict(s: dict[str, Any]) -> str:
@@ -186,7 +242,8 @@ def verdict(s: dict[str, Any]) -> str:
     return (f"{s['case']}: median error {s['median_error']:+.1%}, worst {s['worst_error']:+.1%}, "
             f"rank correlation {s['rank_correlation']:.2f}, regret {s['regret']:.1%}; "
             + ("pick ≥ every baseline" if not slower else
-               "a baseline measured faster (its step ÷ pipec's): " + ", ".join(slower)))
+               "a baseline measured faster (its step ÷ pipec's): " + ", ".join(slower))
+            + f"; the pick's launches spread {s['pick_spread']:.1%}")
 
 
 def main() -> None:
@@ -194,6 +251,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--candidates", type=int, default=3)
+    parser.add_argument("--duels", type=int, default=4,
+                        help="more pairs of launches for each rival of the pick")
     parser.add_argument("--only", nargs="*", default=None, help="case names")
     parser.add_argument("--json", type=Path, default=None, help="write every figure here")
     args = parser.parse_args()
@@ -203,12 +262,11 @@ def main() -> None:
         os.environ["PIPEC_CACHE_DIR"] = str(Path(tmp) / "cache")  # measured afresh
         for case in cases:
             entries = compile_case(case, Path(tmp), args.candidates)
-            for round_ in range(args.rounds):
-                order = entries if round_ % 2 == 0 else entries[::-1]
-                for entry in order:
-                    entry.measured_s.append(train(entry, case.processes, args.steps))
+            measure_rounds(entries, case.processes, args.steps, args.rounds)
+            for rival in rivals(entries):
+                duel(_pick(entries), rival, case.processes, args.steps, args.duels)
             print(f"\n### {case.name} ({case.processes} processes, batch {case.batch}: "
-                  f"{case.why})\n\n{table(case, entries)}", flush=True)
+                  f"{case.why})\n\n{table(entries)}", flush=True)
             results.append(summary(case, entries))
             print(verdict(results[-1]), flush=True)
             if args.json:  # after every case: a long run stopped early keeps what it measured
@@ -220,10 +278,12 @@ def report(results: list[dict[str, Any]]) -> None:
     median = statistics.median(abs(r["median_error"]) for r in results)
     regret = max(r["regret"] for r in results)
     beaten = [r["case"] for r in results if any(v < 1 for v in r["pick_vs_baselines"].values())]
+    noise = [r["pick_spread"] for r in results]
     print(f"\n{len(results)} cases: median step-time error {median:.1%} (target ±"
           f"{TARGET_ERROR:.0%}), worst regret {regret:.1%} (target ≤ {TARGET_REGRET:.0%}), "
           f"pick ≥ every baseline in {len(results) - len(beaten)} of {len(results)}"
-          + (f" (not in: {', '.join(beaten)})" if beaten else ""))
+          + (f" (not in: {', '.join(beaten)})" if beaten else "")
+          + f"; the pick's launches spread a median {statistics.median(noise):.1%}")
     spread = between_plans(results)
     print(f"between plans of one model: measured ÷ predicted sits a median {spread[0]:.1%} "
           f"(75th percentile {spread[1]:.1%}) from its model's median ratio over "
