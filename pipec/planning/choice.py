@@ -13,13 +13,14 @@ from pipec.planning.values import Candidate, PlanRequest
 from pipec.schedule import ZERO_BUBBLE
 
 # The time model's relative error between two plans of one model, measured by
-# benchmarks/fidelity.py (docs/fidelity.md): over 55 plans of 9 models (2026-12-01, with the
-# heap kept between steps and the blocking all-reduces measured), each plan's measured ÷
-# predicted step time is a median 3.5 % (75th percentile: 6.3 %) from its model's median ratio,
-# with compute times measured on the device (5.3 % and 8.8 % in the run before, 6.3 % and 13.1 %
-# before processes sharing cores were modelled, 9 % and 16 % before the per-schedule runtime
-# and data-parallel terms). A preset's roofline knows neither the kernels' real speed nor their
-# overheads, and was not measured apart: it keeps the largest 75th percentile seen, 13 %.
+# benchmarks/fidelity.py (docs/fidelity.md) with compute times measured on the device: each
+# plan's measured ÷ predicted step time against its model's median ratio. Over 55 plans of 9
+# models (2026-12-01, the heap kept between steps, the blocking all-reduces measured): a median
+# 3.5 % (75th percentile 6.3 %); in the run after, comparing plans in pairs of launches, 2.6 %
+# and 6.0 % over 54 plans. The margin keeps the larger. Earlier: 5.3 % and 8.8 %, 6.3 % and
+# 13.1 % before processes sharing cores were modelled, 9 % and 16 % before the per-schedule
+# runtime and data-parallel terms. A preset's roofline knows neither the kernels' real speed nor
+# their overheads, and was not measured apart: it keeps the largest 75th percentile seen, 13 %.
 MEASURED_MARGIN = 0.035
 ROOFLINE_MARGIN = 0.13
 
