@@ -146,6 +146,10 @@ class NodeArrays:
     # the outputs of its weight products, convolutions and fused attention; bf16 under
     # autocast, which runs them in bf16.
     selective_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    # Per node with trainable parameters, its output's size: a split backward (the zero-bubble
+    # schedules' stage_backward_input) keeps the gradient of that output until the weights'
+    # gradient is made from it (torch's param_groups "grads").
+    weight_output_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
     @functools.cached_property
     def selective_shared(self) -> np.ndarray:
@@ -219,7 +223,8 @@ def node_arrays(graph: CostGraph, device: Device, micro_batch: int, training: Tr
                       (param_bytes + shared) * GRADIENT_RATIO, graph_bytes,
                       kernel_runs(graph, device, bf16),
                       np.array([n.selective_bytes.at(micro_batch) * (0.5 if bf16 else 1.0)
-                                for n in graph.nodes]))
+                                for n in graph.nodes]),
+                      np.where(param_bytes + shared > 0, out_bytes, 0.0))
 
 
 def kernel_runs(graph: CostGraph, device: Device, bf16: bool) -> KernelRuns:

@@ -143,18 +143,50 @@ def _counted_in_flight(schedule: str, pp: int, num_micro_batches: int, virtual: 
                        ) -> tuple[int, ...]:
     """Counted over each device's order: a forward adds one, a full or a weights' backward
     takes one away (vectorized per stage: M·v can be large)."""
-    peaks = [0] * (pp * virtual)
+    return _most_per_stage(schedule, pp, num_micro_batches, virtual, held=True)
+
+
+def _most_per_stage(schedule: str, pp: int, num_micro_batches: int, virtual: int, held: bool
+                    ) -> tuple[int, ...]:
+    """Per stage, the most micro-batches it holds (``held``) or that await their weights'
+    gradient, counted over its device's order."""
+    most = [0] * (pp * virtual)
     for device in range(pp):
-        order = action_order(schedule, device, pp, num_micro_batches, virtual)
-        stages = np.fromiter((stage for _, stage, _ in order), int, len(order))
-        change = np.fromiter((_HELD[kind] for kind, _, _ in order), int, len(order))
+        stages, holds, awaits = order_changes(schedule, device, pp, num_micro_batches, virtual)
+        change = holds if held else awaits
         for stage in np.unique(stages):
-            peaks[stage] = int(np.cumsum(change[stages == stage]).max(initial=0))
-    return tuple(peaks)
+            most[stage] = int(np.cumsum(change[stages == stage]).max(initial=0))
+    return tuple(most)
 
 
 # What an action does to the micro-batches a stage holds.
-_HELD = {"F": 1, "B": -1, "I": 0, "W": -1}
+HELD_CHANGE = {"F": 1, "B": -1, "I": 0, "W": -1}
+# What it does to those whose input gradient ran and whose weights' gradient has not.
+AWAITING_CHANGE = {"F": 0, "B": 0, "I": 1, "W": -1}
+
+
+@functools.lru_cache(maxsize=256)
+def order_changes(schedule: str, device: int, pp: int, num_micro_batches: int, virtual: int
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One device's order as arrays: each action's stage, and what it changes in the
+    micro-batches that stage holds and in those awaiting their weights' gradient."""
+    order = action_order(schedule, device, pp, num_micro_batches, virtual)
+    stages = np.fromiter((stage for _, stage, _ in order), int, len(order))
+    held = np.fromiter((HELD_CHANGE[kind] for kind, _, _ in order), int, len(order))
+    awaiting = np.fromiter((AWAITING_CHANGE[kind] for kind, _, _ in order), int, len(order))
+    return stages, held, awaiting
+
+
+@functools.lru_cache(maxsize=256)
+def awaiting_weights(schedule: str, pp: int, num_micro_batches: int, virtual: int = 1
+                     ) -> tuple[int, ...]:
+    """Per stage, the most micro-batches whose input gradient ran and whose weights' gradient
+    has not: each keeps the gradients its weights' pass needs. Zero outside the zero-bubble
+    schedules. Not always at the moment the stage holds the most in flight, so a stage's own
+    peak counted from both is an upper bound; a device's (pipec.devicepeak) is exact."""
+    if schedule not in ZERO_BUBBLE:
+        return (0,) * (pp * virtual)
+    return _most_per_stage(schedule, pp, num_micro_batches, virtual, held=False)
 
 
 @functools.lru_cache(maxsize=256)

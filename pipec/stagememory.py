@@ -31,12 +31,15 @@ class StageMemory:
     unmade_gradients: float = 0.0
     # The math library's compiled kernels, one per distinct product or convolution (on CPUs).
     kernels: float = 0.0
+    # Under a split backward (zero bubble), what each micro-batch awaiting its weights' gradient
+    # keeps: its weight operations' output gradients and the gradient it received.
+    awaiting_weights: float = 0.0
 
     @property
     def total(self) -> float:
         return (self.static + self.activations + self.held_outputs + self.receive_buffers
                 + self.data + self.loss + self.working + self.sent + self.unmade_gradients
-                + self.kernels)
+                + self.kernels + self.awaiting_weights)
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,9 @@ class StageRole:
     # The stage sits on the first stage's device (the last stage of a V): the whole batch made
     # there is counted once, on the first stage.
     on_first_device: bool = False
+    # The most micro-batches whose input gradient ran and whose weights' gradient has not
+    # (schedule.awaiting_weights; zero-bubble schedules only).
+    awaiting_weights: int = 0
 
     @property
     def peaks_before_gradients(self) -> bool:
@@ -100,7 +106,26 @@ def stage_memory(arrays: NodeArrays, start: int, end: int, role: StageRole,
         sent=_sent_bytes(arrays, start, end, role),
         unmade_gradients=-unmade_gradients(arrays, start, end)
         if role.peaks_before_gradients and recompute == "none" else 0.0,
-        kernels=arrays.kernels.span_bytes(start, end))
+        kernels=arrays.kernels.span_bytes(start, end),
+        awaiting_weights=_awaited_bytes(arrays, start, end, role))
+
+
+def _awaited_bytes(arrays: NodeArrays, start: int, end: int, role: StageRole) -> float:
+    """What the micro-batches awaiting their weights' gradient keep (Qi et al. 2024's "W"
+    deferred): torch's stage_backward_input keeps the gradient of every weight operation's
+    output for stage_backward_weight, and the stage keeps the output gradient it received.
+    The first stage runs no input backward (its inputs need no gradient): its whole backward
+    waits for "W", keeping only the gradient it received."""
+    if not role.awaiting_weights:
+        return 0.0
+    kept = 0.0 if role.first else _weight_outputs(arrays)[start:end].sum()
+    received = 0.0 if role.last else arrays.boundary_bytes[end]
+    return float(role.awaiting_weights * (kept + received))
+
+
+def _weight_outputs(arrays: NodeArrays) -> np.ndarray:
+    n = len(arrays.static_bytes)
+    return arrays.weight_output_bytes if arrays.weight_output_bytes.size else np.zeros(n)
 
 
 def _activations(arrays: NodeArrays, start: int, end: int, in_flight: int,
@@ -156,14 +181,26 @@ def ends_bytes(arrays: NodeArrays, role: StageRole) -> tuple[np.ndarray, np.ndar
     at_start, at_end = _data_bytes(arrays, role)
     # Receive buffers for the inputs in flight; the input gradients already sent (M − f).
     enter = (m if role.holds_sends else f) * arrays.boundary_bytes
-    enter[0] = at_start  # only the first stage starts at cut 0
     if role.last:
         leave = f * (arrays.held_bytes + arrays.loss_bytes) + at_end
     elif role.holds_sends:  # a gradient buffer, and every output kept by its send
         leave = (m + 1) * arrays.boundary_bytes
     else:
         leave = f * arrays.held_bytes + arrays.boundary_bytes
+    awaited_enter, awaited_leave = _awaited_ends(arrays, role)
+    enter, leave = enter - awaited_enter, leave + awaited_leave
+    enter[0] = at_start  # only the first stage starts at cut 0
     return enter, leave
+
+
+def _awaited_ends(arrays: NodeArrays, role: StageRole) -> tuple[np.ndarray, np.ndarray]:
+    """``_awaited_bytes`` split over a stage's ends: a span's sum is a difference of prefix
+    sums, the later one counted where it ends, the earlier one taken away where it starts."""
+    a = role.awaiting_weights
+    prefix = np.concatenate(([0.0], np.cumsum(_weight_outputs(arrays))))
+    kept = np.zeros_like(prefix) if role.first else a * prefix
+    received = 0.0 if role.last else a * arrays.boundary_bytes
+    return kept, kept + received
 
 
 def _sent_bytes(arrays: NodeArrays, start: int, end: int, role: StageRole) -> float:

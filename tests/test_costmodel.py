@@ -6,8 +6,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 import numpy as np
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.distributed.pipelining import _backward
 
 from conftest import SAMPLES
 from pipec.annotate import annotate
@@ -34,7 +36,8 @@ def stages(draw: st.DrawFn) -> tuple[NodeArrays, int, int, StageRole]:
     calls = [draw(st.integers(0, 2)) for _ in runs]
     kernels = KernelRuns.of(runs, calls, [float(c + 1) * 1e5 for c in calls])
     arrays = NodeArrays(array(n), array(n), static, array(n), array(n + 1), array(n + 1),
-                        array(n), draw(values), draw(values), static / 3, kernels=kernels)
+                        array(n), draw(values), draw(values), static / 3, kernels=kernels,
+                        weight_output_bytes=array(n))
     num_stages = draw(st.integers(1, 4))
     index = draw(st.integers(0, num_stages - 1))
     # Where the stage can sit: only the first starts at cut 0, only the last ends at n.
@@ -44,7 +47,7 @@ def stages(draw: st.DrawFn) -> tuple[NodeArrays, int, int, StageRole]:
     # Micro-batches from 1: often all in flight on one replica (a peak before the gradients).
     role = StageRole(index, num_stages, draw(st.integers(1, 16)), draw(st.integers(1, 8)),
                      draw(st.sampled_from((1, 1, 2, 4))), draw(st.booleans()),
-                     draw(st.booleans()), draw(st.booleans()))
+                     draw(st.booleans()), draw(st.booleans()), draw(st.integers(0, 4)))
     return arrays, start, end, role
 
 
@@ -160,3 +163,46 @@ def test_a_cpu_stage_holds_one_kernel_per_distinct_product_or_convolution() -> N
         assert memory.kernels == per_call * len(set(calls))
         gpu = node_arrays(graph, PRESETS["h100-80g"], 4, training)
         assert stage_memory(gpu, 0, len(graph.nodes), whole).kernels == 0.0
+
+
+def test_a_split_backward_keeps_the_weight_operations_output_gradients() -> None:
+    """Between a micro-batch's input gradient and its weights' (a zero-bubble schedule), torch's
+    stage_backward_input keeps the gradient of every weight operation's output: the bytes the
+    model counts per node are the ones torch keeps, for a convolutional model on a stage that
+    receives its input."""
+    torch.manual_seed(0)
+    spec = load_model_file(SAMPLES / "resnet.py")
+    graph = annotate(trace_model(spec), spec)
+    arrays = node_arrays(graph, PRESETS["cpu"], 2, Training("sgd", "fp32"))
+    model = spec.build_model()
+    inputs = spec.sample_batch(2)[0].requires_grad_(True)
+    output = model(inputs)
+    _, groups = _backward.stage_backward_input([output], [torch.ones_like(output)], [inputs],
+                                               model.parameters())
+    grads = [t for g in groups for t in _tensors(g["grads"])]
+    assert arrays.weight_output_bytes.sum() == sum(t.numel() * t.element_size() for t in grads)
+    # A residual add hands one gradient tensor to both branches: counted per operation, the
+    # model over-counts those few (by 4 % here), never under.
+    distinct = {id(t): t.numel() * t.element_size() for t in grads}
+    assert 0.95 * arrays.weight_output_bytes.sum() < sum(distinct.values())
+
+
+def _tensors(value: object) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    return [t for v in value for t in _tensors(v)] if isinstance(value, (tuple, list)) else []
+
+
+def test_a_stage_awaiting_weights_keeps_their_gradients_and_the_one_received() -> None:
+    """Each micro-batch awaiting its weights' pass keeps its weight operations' output
+    gradients and the output gradient it received; a first stage runs no input backward and
+    keeps only the latter, a last stage receives none."""
+    arrays = NodeArrays(*(np.zeros(2),) * 4, np.array([0.0, 7.0, 0.0]), np.zeros(3),
+                        np.zeros(2), 0.0, 0.0, weight_output_bytes=np.array([5.0, 11.0]))
+    assert stage_memory(arrays, 0, 1, StageRole(0, 2, 4, 2, awaiting_weights=2)
+                        ).awaiting_weights == 2 * 7
+    assert stage_memory(arrays, 1, 2, StageRole(1, 2, 4, 2, awaiting_weights=2)
+                        ).awaiting_weights == 2 * 11
+    assert stage_memory(arrays, 0, 2, StageRole(1, 3, 4, 2, awaiting_weights=3)
+                        ).awaiting_weights == 3 * (5 + 11)
+    assert stage_memory(arrays, 0, 2, StageRole(1, 3, 4, 2)).awaiting_weights == 0.0

@@ -11,6 +11,7 @@ from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
 
 from pipec.schedule import (
     action_order,
+    awaiting_weights,
     in_flight,
     lower_bound_s,
     runs,
@@ -164,3 +165,23 @@ def test_stage_bound_is_the_closed_form_on_balanced_stages(schedule: str, pp: in
     forward, backward = [1.0 / stages] * stages, [2.0 / stages] * stages
     simulated = simulate(schedule, forward, backward, micro_batches, pp).iteration_s
     assert stage_lower_bound_s(forward, backward, micro_batches, pp) == pytest.approx(simulated)
+
+
+@pytest.mark.parametrize(("schedule", "pp", "micro_batches", "expected"), [
+    ("interleaved-zb", 2, 2, (1, 2, 1, 2)), ("zbv", 2, 4, (1, 2, 1, 1)),
+    ("1f1b", 2, 4, (0, 0, 0, 0)), ("interleaved", 2, 4, (0, 0, 0, 0))])
+def test_awaiting_weights_counted_over_the_order(schedule: str, pp: int, micro_batches: int,
+                                                  expected: tuple[int, ...]) -> None:
+    """Counted over torch's orders: the most micro-batches whose input gradient ran and whose
+    weights' has not; none where the backward is not split."""
+    assert awaiting_weights(schedule, pp, micro_batches, 2) == expected
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.sampled_from(("interleaved-zb", "zbv")), st.sampled_from((2, 4)),
+       st.integers(1, 4))
+def test_a_micro_batch_awaiting_its_weights_is_in_flight(schedule: str, pp: int,
+                                                        rounds: int) -> None:
+    flights = in_flight(schedule, pp, pp * rounds, 2)
+    awaiting = awaiting_weights(schedule, pp, pp * rounds, 2)
+    assert all(0 <= w <= f for w, f in zip(awaiting, flights, strict=True))

@@ -13,6 +13,7 @@ from pipec.costmodel import (
     optimizer_s,
     spans_nodes,
 )
+from pipec.devicepeak import apart_bytes
 from pipec.planning.balance import Balance, boundaries
 from pipec.planning.costs import Costs, Layout, Point, StageCosts
 from pipec.planning.sharding import SHARDED, collective_count, collectives_s
@@ -21,6 +22,7 @@ from pipec.schedule import (
     SCHEDULES,
     ZERO_BUBBLE,
     Simulation,
+    awaiting_weights,
     in_flight,
     simulate,
     stage_lower_bound_s,
@@ -65,13 +67,14 @@ def partition(costs: Costs, point: Point, balance: Balance, batch: int | None = 
     layout = point.layout
     micro_batches = (batch or costs.request.global_batch) // (layout.dp * point.micro_batch)
     flights = in_flight(point.schedule, layout.pp, micro_batches, layout.virtual)
+    awaiting = awaiting_weights(point.schedule, layout.pp, micro_batches, layout.virtual)
     # Synthetic data is made whole in the process's memory: the device's own on a CPU.
     whole_batch = costs.graph.synthetic_data and all(
         d.device_type == "cpu" for d in costs.request.devices)
     holds_sends = point.schedule in HOLDS_SENDS
     roles = tuple(StageRole(k, layout.stages, micro_batches, f, layout.dp, whole_batch,
-                            holds_sends, layout.position(k) == layout.position(0))
-                  for k, f in enumerate(flights))
+                            holds_sends, layout.position(k) == layout.position(0), w)
+                  for k, (f, w) in enumerate(zip(flights, awaiting, strict=True)))
     placed = boundaries(costs, point, roles, balance)
     if placed is None:
         return None
@@ -88,7 +91,9 @@ def partition(costs: Costs, point: Point, balance: Balance, batch: int | None = 
         stage_memory(sc.arrays, a, b, role, again)
         for (a, b), role, again in zip(itertools.pairwise(bounds), roles, recompute,
                                        strict=True)))
-    memory = tuple(sum(stages[k].total for k in layout.stages_on(p)) + sc.runtime[p]
+    apart = apart_bytes(point.schedule, layout.pp, micro_batches, layout.virtual, stages,
+                        recompute)
+    memory = tuple(sum(stages[k].total for k in layout.stages_on(p)) + sc.runtime[p] - apart[p]
                    for p in range(layout.pp))
     return Evaluated(point, bounds, sc, micro_batches, memory, stages, recompute)
 
