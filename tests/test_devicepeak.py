@@ -12,9 +12,9 @@ from pipec.schedule import action_order, awaiting_weights, in_flight
 from pipec.stagememory import StageMemory
 
 
-def _memory(activations: float, awaiting: float) -> StageMemory:
+def _memory(activations: float, awaiting: float, working: float = 0.0) -> StageMemory:
     return StageMemory(static=1.0, activations=activations, held_outputs=0.0,
-                       receive_buffers=0.0, data=0.0, loss=0.0, working=0.0,
+                       receive_buffers=0.0, data=0.0, loss=0.0, working=working,
                        awaiting_weights=awaiting)
 
 
@@ -64,3 +64,9 @@ def test_one_stage_per_device_or_a_recomputing_stage_counts_its_own_peak() -> No
     assert apart_bytes("interleaved-zb", 2, 4, 2, stages, ["none"] * 4) != (0.0, 0.0)
     assert apart_bytes("interleaved-zb", 2, 4, 2, stages, ["full", "none", "none", "none"]
                        )[0] == 0.0
+
+
+def test_of_the_stages_working_sets_only_the_largest_is_alive() -> None:
+    """One backward runs at a time on a device: the stages' other working sets are apart."""
+    stages = [_memory(0.0, 0.0, working) for working in (3.0, 5.0, 7.0, 2.0)]
+    assert apart_bytes("interleaved", 2, 2, 2, stages, ["none"] * 4) == (3.0, 2.0)
