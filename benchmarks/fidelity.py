@@ -8,19 +8,19 @@ distinct plan is trained under torchrun with `--metrics` for `--steps` steps (on
 first 3 measure memory and the 4th warms up again; the rest are timed), `--rounds` times, the
 plans taking turns so that drift in the machine's speed falls on all of them alike.
 
-A plan is compared with pipec's pick in pairs of launches next to each other (its step ÷ the
-pick's in the same round), since this machine's speed moves between launches by more than the
-3 % the regret target asks to resolve. Every plan that the rounds measure faster than the pick by
-more than that target, and every baseline measured faster at all, is then launched `--duels`
-more times in turn with the pick (pick first, then rival first, ...). A plan's ratio to the pick
-is the median over its pairs. Per case it prints each plan's predicted and measured step time,
-then:
+A plan is compared with pipec's pick in pairs of launches (its step ÷ the pick's in the same
+round, up to a round's length apart), since this machine's speed moves between launches by more
+than the 3 % the regret target asks to resolve. Every plan that the rounds measure faster than
+the pick by more than that target, and every baseline measured faster at all, is then launched
+`--duels` more times right after or before the pick (pick first, then rival first, ...). A
+plan's ratio to the pick is the median over its pairs. Per case it prints each plan's predicted
+and measured step time, then:
 
 - the median and the worst step-time error (measured ÷ predicted − 1);
 - Spearman's rank correlation between predicted and measured step times;
 - pipec's regret: the fastest plan's samples/s ÷ pipec's pick's, from the paired ratios;
 - whether pipec's pick measured at least as fast as every baseline (paired ratios);
-- how far the pick's own launches spread (max − min over median): the machine's noise.
+- how far the pick's own launches spread (max − min over median, and how many): the noise.
 
 Targets (issue 13): step time within ±20 % (median over cases), regret ≤ 3 % in every case,
 pipec's pick ≥ every baseline in every case.
@@ -218,7 +218,7 @@ def summary(case: Case, entries: list[Entry]) -> dict[str, Any]:
         "regret": 1 / min(e.relative for e in entries) - 1,
         "pick_vs_baselines": {r: e.relative for e in baselines for r in e.roles
                               if r in BASELINES},
-        "pick_spread": spread(pick.measured_s),
+        "pick_spread": spread(pick.measured_s), "pick_launches": len(pick.measured_s),
         "plans": [{"roles": e.roles, "plan": e.label(), "predicted_s": e.predicted_s,
                    "measured_s": e.measured_s, "paired": e.paired} for e in entries],
     }
@@ -238,17 +238,21 @@ def _pairs(e: Entry) -> str:
 
 
 def verdict(s: dict[str, Any]) -> str:
-    slower = [f"{r} {v:.2f}" for r, v in s["pick_vs_baselines"].items() if v < 1]
+    faster: dict[float, list[str]] = {}  # one plan may be several baselines
+    for role, ratio in s["pick_vs_baselines"].items():
+        if ratio < 1:
+            faster.setdefault(ratio, []).append(role)
+    slower = [f"{', '.join(roles)} {ratio:.3f}" for ratio, roles in faster.items()]
     return (f"{s['case']}: median error {s['median_error']:+.1%}, worst {s['worst_error']:+.1%}, "
             f"rank correlation {s['rank_correlation']:.2f}, regret {s['regret']:.1%}; "
             + ("pick ≥ every baseline" if not slower else
                "a baseline measured faster (its step ÷ pipec's): " + ", ".join(slower))
-            + f"; the pick's launches spread {s['pick_spread']:.1%}")
+            + f"; the pick's {s['pick_launches']} launches spread {s['pick_spread']:.1%}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=_at_least_one, default=3)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--candidates", type=int, default=3)
     parser.add_argument("--duels", type=int, default=4,
@@ -288,6 +292,13 @@ def report(results: list[dict[str, Any]]) -> None:
     print(f"between plans of one model: measured ÷ predicted sits a median {spread[0]:.1%} "
           f"(75th percentile {spread[1]:.1%}) from its model's median ratio over "
           f"{sum(len(r['plans']) for r in results)} plans (planning.choice's margin)")
+
+
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: at least 1 round is needed to compare plans")
+    return value
 
 
 def between_plans(results: list[dict[str, Any]]) -> tuple[float, float]:

@@ -29,8 +29,7 @@ def apart_bytes(schedule: str, pp: int, num_micro_batches: int, virtual: int,
     per_wait = np.array([m.awaiting_weights / w if w else 0.0 for m, w in zip(stages, awaiting,
                                                                              strict=True)])
     apart = []
-    for device in range(pp):
-        order, held, waits = order_changes(schedule, device, pp, num_micro_batches, virtual)
+    for order, held, waits in order_changes(schedule, pp, num_micro_batches, virtual):
         mine = np.unique(order)
         if any(recompute[k] != "none" for k in mine):
             apart.append(0.0)

@@ -277,8 +277,18 @@ def _least_ends_bytes(p: Problem) -> float:
     if not last:
         return ends
     inner = np.flatnonzero(p.legal[1:-1]) + 1  # several stages: at least one inner cut
-    return ends + float(p.enter_bytes[1:, inner].min(axis=1).sum()
-                        + p.leave_bytes[:last, inner].min(axis=1).sum())
+    ends += float(p.enter_bytes[last, inner].min() + p.leave_bytes[0, inner].min())
+    return ends + sum(_least_middle(p.enter_bytes[s, inner], p.leave_bytes[s, inner])
+                      for s in range(1, last))
+
+
+def _least_middle(enter: np.ndarray, leave: np.ndarray) -> float:
+    """A middle stage's least ends: starting at an inner cut before the one it ends at (a
+    span's terms split over its ends, StageRole.awaiting_weights, make the two apart far
+    less)."""
+    if len(enter) < 2:
+        return float("inf")  # no room for a middle stage
+    return float((leave[1:] + np.minimum.accumulate(enter[:-1])).min())
 
 
 def _upper_bound(p: Problem, cuts: np.ndarray) -> float:

@@ -54,7 +54,7 @@ def plan_dict(plan: Plan, norms: NormPlan, traced: Traced) -> dict[str, Any]:
                 "latency_s": max(d.blocking_collective_s for d in request.devices),
                 "drift_s_per_sqrt_s": max(d.blocking_drift for d in request.devices)},
             "peak_memory_bytes": list(plan.device_memory_bytes),
-            "memory_terms": [_device_terms(plan, d) for d in range(plan.pp)],
+            "memory_terms": _device_terms(plan),
         },
         "virtual_stages": plan.virtual_stages,
         # The device mesh, outer dimension first: ranks r = outer index · inner size + inner.
@@ -116,18 +116,22 @@ def _memory_terms(memory: StageMemory | None) -> dict[str, float]:
     return {} if memory is None else asdict(memory)
 
 
-def _device_terms(plan: Plan, device: int) -> dict[str, float]:
-    """A device's peak by term: its stages' terms summed, less what they never hold at once
-    (``not_at_once``, pipec.devicepeak), and the runtime's own bytes."""
-    stages = [s for s in plan.stages if s.device == device]
+def _device_terms(plan: Plan) -> list[dict[str, float]]:
+    """Per device, its peak by term: its stages' terms summed, less what they never hold at
+    once (``not_at_once``, pipec.devicepeak, as the planner subtracted it), and the runtime's
+    own bytes."""
     memories = [s.memory for s in plan.stages]
-    apart = (0.0 if any(m is None for m in memories) else
+    apart = ((0.0,) * plan.pp if any(m is None for m in memories) else
              apart_bytes(plan.schedule, plan.pp, plan.num_micro_batches, plan.virtual_stages,
                          [m for m in memories if m is not None],
-                         [s.recompute for s in plan.stages])[device])
-    return {**_sum_terms(s.memory for s in stages), "not_at_once": -apart,
-            "runtime": plan.device_memory_bytes[device] - sum(s.memory_bytes for s in stages)
-            + apart}
+                         [s.recompute for s in plan.stages]))
+    terms = []
+    for device in range(plan.pp):
+        stages = [s for s in plan.stages if s.device == device]
+        terms.append({**_sum_terms(s.memory for s in stages), "not_at_once": -apart[device],
+                      "runtime": plan.device_memory_bytes[device]
+                      - sum(s.memory_bytes for s in stages) + apart[device]})
+    return terms
 
 
 def _sum_terms(memories: Iterable[StageMemory | None]) -> dict[str, float]:

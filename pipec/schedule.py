@@ -151,8 +151,7 @@ def _most_per_stage(schedule: str, pp: int, num_micro_batches: int, virtual: int
     """Per stage, the most micro-batches it holds (``held``) or that await their weights'
     gradient, counted over its device's order."""
     most = [0] * (pp * virtual)
-    for device in range(pp):
-        stages, holds, awaits = order_changes(schedule, device, pp, num_micro_batches, virtual)
+    for stages, holds, awaits in order_changes(schedule, pp, num_micro_batches, virtual):
         change = holds if held else awaits
         for stage in np.unique(stages):
             most[stage] = int(np.cumsum(change[stages == stage]).max(initial=0))
@@ -165,16 +164,38 @@ HELD_CHANGE = {"F": 1, "B": -1, "I": 0, "W": -1}
 AWAITING_CHANGE = {"F": 0, "B": 0, "I": 1, "W": -1}
 
 
-@functools.lru_cache(maxsize=256)
-def order_changes(schedule: str, device: int, pp: int, num_micro_batches: int, virtual: int
-                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One device's order as arrays: each action's stage, and what it changes in the
-    micro-batches that stage holds and in those awaiting their weights' gradient."""
-    order = action_order(schedule, device, pp, num_micro_batches, virtual)
-    stages = np.fromiter((stage for _, stage, _ in order), int, len(order))
-    held = np.fromiter((HELD_CHANGE[kind] for kind, _, _ in order), int, len(order))
-    awaiting = np.fromiter((AWAITING_CHANGE[kind] for kind, _, _ in order), int, len(order))
-    return stages, held, awaiting
+Changes = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
+@functools.lru_cache(maxsize=64)
+def order_changes(schedule: str, pp: int, num_micro_batches: int, virtual: int
+                  ) -> tuple[Changes, ...]:
+    """Each device's order as read-only arrays: each action's stage, and what it changes in
+    the micro-batches that stage holds and in those awaiting their weights' gradient."""
+    if schedule == "interleaved":  # vectorized: M·v can be large
+        return tuple(_interleaved_changes(device, pp, num_micro_batches, virtual)
+                     for device in range(pp))
+    return tuple(_changes(action_order(schedule, device, pp, num_micro_batches, virtual))
+                 for device in range(pp))
+
+
+def _interleaved_changes(device: int, pp: int, num_micro_batches: int, virtual: int
+                         ) -> Changes:
+    events = _interleaved_events(device, pp, num_micro_batches, virtual)
+    arrays = ((events % virtual) * pp + device, np.where(events < virtual, 1, -1),
+              np.zeros_like(events))
+    for array in arrays:
+        array.setflags(write=False)
+    return arrays
+
+
+def _changes(order: Order) -> Changes:
+    arrays = (np.fromiter((stage for _, stage, _ in order), int, len(order)),
+              np.fromiter((HELD_CHANGE[kind] for kind, _, _ in order), int, len(order)),
+              np.fromiter((AWAITING_CHANGE[kind] for kind, _, _ in order), int, len(order)))
+    for array in arrays:
+        array.setflags(write=False)
+    return arrays
 
 
 @functools.lru_cache(maxsize=256)
@@ -183,7 +204,7 @@ def awaiting_weights(schedule: str, pp: int, num_micro_batches: int, virtual: in
     """Per stage, the most micro-batches whose input gradient ran and whose weights' gradient
     has not: each keeps the gradients its weights' pass needs. Zero outside the zero-bubble
     schedules. Not always at the moment the stage holds the most in flight, so a stage's own
-    peak counted from both is an upper bound; a device's (pipec.devicepeak) is exact."""
+    peak counted from both is an upper bound; a device's (pipec.devicepeak) is tighter."""
     if schedule not in ZERO_BUBBLE:
         return (0,) * (pp * virtual)
     return _most_per_stage(schedule, pp, num_micro_batches, virtual, held=False)
@@ -193,20 +214,26 @@ def awaiting_weights(schedule: str, pp: int, num_micro_batches: int, virtual: in
 def _interleaved_in_flight(pp: int, num_micro_batches: int, virtual: int) -> tuple[int, ...]:
     """Counted over the events of _interleaved_order (vectorized: M·v can be large)."""
     peaks = [0] * (pp * virtual)
-    total = virtual * num_micro_batches
     for device in range(pp):
-        warmup = min((virtual - 1) * pp + 2 * (pp - device - 1), total)
-        ops = np.arange(total)
-        forward = (ops // pp) % virtual
-        backward = virtual - 1 - ((np.arange(warmup, total + warmup) - warmup) // pp) % virtual
-        # Events in order: warm-up forwards, then F(op) B(op) pairs, then cool-down backwards.
-        steady = np.stack([forward[warmup:], backward[:total - warmup] + virtual], axis=1)
-        events = np.concatenate([forward[:warmup], steady.ravel(),
-                                 backward[total - warmup:] + virtual])
+        events = _interleaved_events(device, pp, num_micro_batches, virtual)
         for local in range(virtual):
             held = np.cumsum((events == local).astype(int) - (events == local + virtual))
             peaks[local * pp + device] = int(held.max())
     return tuple(peaks)
+
+
+def _interleaved_events(device: int, pp: int, num_micro_batches: int, virtual: int
+                        ) -> np.ndarray:
+    """_interleaved_order as its device's local stage per action: l for a forward of local
+    stage l, virtual + l for a backward."""
+    total = virtual * num_micro_batches
+    warmup = min((virtual - 1) * pp + 2 * (pp - device - 1), total)
+    ops = np.arange(total)
+    forward = (ops // pp) % virtual
+    backward = virtual - 1 - ((np.arange(warmup, total + warmup) - warmup) // pp) % virtual
+    # Events in order: warm-up forwards, then F(op) B(op) pairs, then cool-down backwards.
+    steady = np.stack([forward[warmup:], backward[:total - warmup] + virtual], axis=1)
+    return np.concatenate([forward[:warmup], steady.ravel(), backward[total - warmup:] + virtual])
 
 
 def lower_bound_s(work_s: float, pp: int, num_micro_batches: int, virtual: int = 1,

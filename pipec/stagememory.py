@@ -175,8 +175,10 @@ def ends_bytes(arrays: NodeArrays, role: StageRole) -> tuple[np.ndarray, np.ndar
     """For the partition DP, per cut: what a stage starting there holds for its input (receive
     buffers; at cut 0, the step's inputs) and what a stage ending there holds for its output
     (gradient buffers and outputs kept for backward; the loss and targets on the last stage),
-    both with what unfinished sends keep (``StageRole.holds_sends``). With the span's own
-    terms they add up to ``stage_memory(...).total``."""
+    both with what unfinished sends keep (``StageRole.holds_sends``), and the gradients awaiting
+    the weights' pass split over the two ends (``_awaited_ends``: the start's share is taken
+    away, so an entry may be negative). With the span's own terms they add up to
+    ``stage_memory(...).total``."""
     m, f = role.micro_batches, role.in_flight
     at_start, at_end = _data_bytes(arrays, role)
     # Receive buffers for the inputs in flight; the input gradients already sent (M − f).

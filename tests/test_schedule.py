@@ -14,6 +14,7 @@ from pipec.schedule import (
     awaiting_weights,
     in_flight,
     lower_bound_s,
+    order_changes,
     runs,
     simulate,
     stage_lower_bound_s,
@@ -185,3 +186,14 @@ def test_a_micro_batch_awaiting_its_weights_is_in_flight(schedule: str, pp: int,
     flights = in_flight(schedule, pp, pp * rounds, 2)
     awaiting = awaiting_weights(schedule, pp, pp * rounds, 2)
     assert all(0 <= w <= f for w, f in zip(awaiting, flights, strict=True))
+
+
+@pytest.mark.parametrize(("pp", "micro_batches", "virtual"), [(2, 2, 2), (4, 8, 3), (8, 16, 4)])
+def test_interleaved_changes_are_its_orders(pp: int, micro_batches: int, virtual: int) -> None:
+    """The vectorized arrays the memory walk reads are the order, action by action."""
+    for device, (stages, held, awaiting) in enumerate(
+            order_changes("interleaved", pp, micro_batches, virtual)):
+        order = action_order("interleaved", device, pp, micro_batches, virtual)
+        assert stages.tolist() == [stage for _, stage, _ in order]
+        assert held.tolist() == [1 if kind == "F" else -1 for kind, _, _ in order]
+        assert not awaiting.any()
