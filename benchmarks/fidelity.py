@@ -4,9 +4,10 @@ pick, its next candidates and every baseline, each trained for real on CPU proce
 Per case, `pipec compile --hardware cpu` (measured by default: the compute times come from this
 machine) gives pipec's pick; its next `--candidates` fastest candidates that fit, and each
 baseline (`--strategy uniform, parameters, torchgpipe, conventional`), are compiled too. Every
-distinct plan is trained under torchrun with `--metrics` for `--steps` steps (on a CPU the
-first 3 measure memory and the 4th warms up again; the rest are timed), `--rounds` times, the
-plans taking turns so that drift in the machine's speed falls on all of them alike.
+distinct plan is trained under torchrun with `--metrics` for `--steps` steps, or more where
+its timed steps would span under a second (on a CPU the first 3 measure memory and the 4th
+warms up again; the rest are timed), `--rounds` times, the plans taking turns so that drift in
+the machine's speed falls on all of them alike.
 
 A plan is compared with pipec's pick in pairs of launches (its step ÷ the pick's in the same
 round, up to a round's length apart), since this machine's speed moves between launches by more
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import tempfile
@@ -46,6 +48,8 @@ from tabulate import tabulate
 
 BASELINES = ("uniform", "parameters", "torchgpipe", "conventional")
 TARGET_ERROR, TARGET_REGRET = 0.20, 0.03
+TIMED_S = 1.0  # each launch times at least this long
+UNTIMED_STEPS = 4  # train.py --metrics on a CPU: 3 measure memory, the 4th warms up again
 
 
 @dataclass(frozen=True)
@@ -155,10 +159,16 @@ def _point(c: dict[str, Any]) -> tuple[Any, ...]:
 
 
 def train(entry: Entry, processes: int, steps: int) -> float:
-    """The mean step time after the first step (train.py --metrics)."""
+    """The mean time of the timed steps (train.py --metrics), at least ``steps`` run."""
     run([str(TORCHRUN), "--standalone", "--nproc_per_node", str(processes), "train.py",
-         "--steps", str(steps), "--metrics", "metrics.json"], cwd=entry.out)
+         "--steps", str(steps_for(entry, steps)), "--metrics", "metrics.json"], cwd=entry.out)
     return float(json.loads((entry.out / "metrics.json").read_text())["step_s"])
+
+
+def steps_for(entry: Entry, steps: int) -> int:
+    """``steps``, or more where the timed ones would span under TIMED_S: the MLP sample's
+    6 ms steps, 6 of them timed, measured 5.1 to 7.5 ms from one launch to the next."""
+    return max(steps, UNTIMED_STEPS + math.ceil(TIMED_S / entry.predicted_s))
 
 
 def measure_rounds(entries: list[Entry], processes: int, steps: int, rounds: int) -> None:

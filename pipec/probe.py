@@ -30,6 +30,7 @@ from __future__ import annotations
 import datetime
 import functools
 import logging
+import math
 import os
 import queue
 import socket
@@ -55,7 +56,7 @@ from pipec.allreduces import (
     step_s,
 )
 from pipec.heap import keep_freed_memory
-from pipec.timers import mean_s, median_s
+from pipec.timers import mean_s, median_s, span_s
 
 log = logging.getLogger(__name__)
 
@@ -140,25 +141,33 @@ def _worker(rank: int, world: int, port: int, threads: int, results: Any) -> Non
         results.put((rank, f"rank {rank}: {exc!r}"))
 
 
-def side_by_side(run: Callable[[], object], processes: int, repeats: int = 10) -> float:
+def side_by_side(run: Callable[[], object], processes: int, rounds: int = 6,
+                 min_seconds: float = 0.4) -> float:
     """How much slower ``run`` is when ``processes`` processes run it at once than alone (at
     least 1): they share the machine's cores, caches and memory bandwidth. The others are forked
-    copies, waiting on a semaphore (not in torch.distributed, whose waits would hold a core)."""
+    copies, waiting on a semaphore between rounds (not in torch.distributed, whose waits would
+    hold a core). The median over ``rounds`` rounds, each timing ``run`` alone and together
+    for at least ``min_seconds``, in alternating order: one such pair on the 2-core development
+    machine gave 1.01 to 1.42 for the ResNet sample within a minute (the machine's speed drifts
+    by the second), and one outlier decided whether an interleaved plan was predicted fastest."""
     if processes < 2:
         return 1.0
-    alone = mean_s(run, repeats)
+    repeats = math.ceil(min_seconds / mean_s(run, 1))  # warm, then timed
     context = mp.get_context("fork")
-    barrier, results = context.Barrier(processes, timeout=TIMEOUT_S), context.Queue()
-    copies = [context.Process(target=_run_together, args=(run, repeats, barrier, results))
+    barrier, stop = context.Barrier(processes, timeout=TIMEOUT_S), context.Event()
+    results = context.Queue()
+    copies = [context.Process(target=_run_together, args=(run, rounds, barrier, stop, results))
               for _ in range(processes - 1)]
     for copy in copies:
         copy.start()
     try:
-        barrier.wait()
-        together = [mean_s(run, repeats)] + [results.get(timeout=TIMEOUT_S) for _ in copies]
-        # Alone again, after: a passing load on the machine (another program) inflates one of
-        # the two measurements alone, not both.
-        alone = min(alone, mean_s(run, repeats))
+        ratios = []
+        for round_ in range(rounds):
+            alone_first = round_ % 2 == 0
+            alone = span_s(run, repeats) if alone_first else 0.0
+            together = _together(run, repeats, barrier, stop, results, len(copies))
+            alone = alone if alone_first else span_s(run, repeats)
+            ratios.append(together / alone)
     except (threading.BrokenBarrierError, queue.Empty):
         raise RuntimeError(f"the side-by-side copies did not answer in {TIMEOUT_S} s") from None
     finally:
@@ -166,12 +175,32 @@ def side_by_side(run: Callable[[], object], processes: int, repeats: int = 10) -
             copy.join(timeout=5)
             if copy.is_alive():
                 copy.terminate()
-    return max(float(statistics.median(together)) / alone, 1.0)
+    return max(float(statistics.median(ratios)), 1.0)
 
 
-def _run_together(run: Callable[[], object], repeats: int, barrier: Any, results: Any) -> None:
+def _together(run: Callable[[], object], repeats: int, barrier: Any, stop: Any, results: Any,
+              copies: int) -> float:
+    """One round side by side: the median of every process's seconds per run. The copies run
+    until this process has timed its ``repeats`` and report once their run in progress ends."""
+    stop.clear()
     barrier.wait()
-    results.put(mean_s(run, repeats))
+    mine = span_s(run, repeats)
+    stop.set()
+    return float(statistics.median([mine] + [results.get(timeout=TIMEOUT_S)
+                                             for _ in range(copies)]))
+
+
+def _run_together(run: Callable[[], object], rounds: int, barrier: Any, stop: Any,
+                  results: Any) -> None:
+    for _ in range(rounds):
+        barrier.wait()
+        ends = [time.perf_counter()]
+        while len(ends) < 2 or not stop.is_set():
+            run()
+            ends.append(time.perf_counter())
+        # The last run overlapped the stop, partly alone: left out where others were whole.
+        whole = ends[:-1] if len(ends) > 2 else ends
+        results.put((whole[-1] - whole[0]) / (len(whole) - 1))
 
 
 def _links(rank: int) -> dict[int, float]:

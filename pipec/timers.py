@@ -25,6 +25,11 @@ def mean_s(run: Callable[[], object], repeats: int) -> float:
     not a median of runs: processes sharing a core take turns in time slices longer than a
     short run, so most single runs would see a core of their own."""
     run()
+    return span_s(run, repeats)
+
+
+def span_s(run: Callable[[], object], repeats: int) -> float:
+    """Seconds per run over ``repeats`` runs in a row, with no run to warm up."""
     started = time.perf_counter()
     for _ in range(repeats):
         run()

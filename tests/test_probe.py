@@ -49,7 +49,7 @@ def _busy() -> None:
 def test_four_processes_on_two_cores_compute_at_half_speed_or_less() -> None:
     # About 2 run alone; forked from the process of a whole test session, the copies measure
     # less (under 1.6 in two of those runs), still clearly above no contention (1.0).
-    assert any(side_by_side(_busy, 4, repeats=5) > 1.3 for _ in range(3))
+    assert any(side_by_side(_busy, 4, rounds=3) > 1.3 for _ in range(3))
 
 
 def test_the_link_fit_recovers_latency_and_bandwidth() -> None:
