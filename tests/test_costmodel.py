@@ -17,8 +17,8 @@ from pipec.costmodel import NodeArrays, Training, node_arrays
 from pipec.hardware import PRESETS
 from pipec.kernelruns import KernelRuns
 from pipec.loader import load_model_file
-from pipec.partition import make_problem
-from pipec.partition import stage_memory as dp_stage_memory
+from pipec.spans import make_problem
+from pipec.spans import stage_memory as dp_stage_memory
 from pipec.stagememory import StageRole, ends_bytes, stage_memory, working_bytes
 from pipec.trace import trace_model
 

@@ -11,12 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipec.kernelruns import KernelRuns
-from pipec.partition import (
-    brute_force,
-    least_bytes,
+from pipec.partition import brute_force, least_bytes, solve
+from pipec.spans import (
     make_problem,
     recomputed_memory,
-    solve,
     stage_choice,
     stage_memory,
     stage_time,

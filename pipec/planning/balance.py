@@ -12,9 +12,10 @@ from typing import Literal
 
 import numpy as np
 
-from pipec.partition import Problem, make_problem, solve
+from pipec.partition import solve
 from pipec.planning.costs import BoundaryKey, Costs, Placement, Point
 from pipec.schedule import ZERO_BUBBLE
+from pipec.spans import Problem, make_problem
 from pipec.stagememory import StageRole, ends_bytes, stage_memory, working_bytes
 
 Balance = Literal["time_within_memory", "time", "parameters", "uniform"]

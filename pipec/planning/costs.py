@@ -125,7 +125,7 @@ class StageCosts:
 # and for some rules the micro-batch size and the stages' roles.
 BoundaryKey = tuple[object, ...]
 # A boundary rule's answer: the stage boundaries, and per stage its recomputation
-# (partition.RECOMPUTE_MODES).
+# (spans.RECOMPUTE_MODES).
 Placement = tuple[tuple[int, ...], tuple[str, ...]]
 
 
