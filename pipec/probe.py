@@ -1,6 +1,7 @@
 """The training runtime on this machine's CPU processes: what a roofline cannot know, measured
 with as many processes as the training will run on this machine (pipec.measured caches it).
-`side_by_side` measures how much slower a model's pass runs when every process computes at once.
+`side_by_side` measures how much slower a model's pass runs, in the slowest process, when every
+process computes at once.
 
 - **links**: blocking send/recv between two processes (gloo) at four sizes, fitted as
   latency + bytes / bandwidth (least squares on relative errors);

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from dataclasses import replace
 
 import pytest
@@ -50,6 +51,17 @@ def test_four_processes_on_two_cores_compute_at_half_speed_or_less() -> None:
     # About 2 run alone; forked from the process of a whole test session, the copies measure
     # less (under 1.6 in two of those runs), still clearly above no contention (1.0).
     assert any(side_by_side(_busy, 4, rounds=3) > 1.3 for _ in range(3))
+
+
+def test_side_by_side_reports_the_slowest_process() -> None:
+    """Training in step waits for its slowest rank: copies twice as slow as this process give
+    × 2 (the median of two processes would say × 1.5). Sleeps, so the cores' load is moot."""
+    parent = os.getpid()
+
+    def run() -> None:
+        time.sleep(0.002 if os.getpid() == parent else 0.004)
+
+    assert side_by_side(run, 2, rounds=3, min_seconds=0.05) == pytest.approx(2.0, rel=0.15)
 
 
 def test_the_link_fit_recovers_latency_and_bandwidth() -> None:
