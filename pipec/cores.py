@@ -1,7 +1,8 @@
 """Processes that share a CPU's cores: a pipeline's waiting devices lend theirs to the others.
 
 A CPU plan's compute times carry the slowdown of every training process computing at once
-(``Calibration.contention``: c, measured with P processes side by side). In a pipeline's
+(``Calibration.contention``: c, the slowest of P processes side by side, since training in step
+waits for it; taken here as every process's slowdown). In a pipeline's
 bubbles fewer compute. A rank blocked in a gloo receive holds no core (measured here: 0.01 s of
 CPU over a 3 s wait), so the ranks that do compute run faster, at most as fast as alone.
 
@@ -25,7 +26,7 @@ class SharedCores:
     """The processes of one machine sharing its cores; a pipeline's devices are ``replicas`` of
     them computing at once (data parallelism runs every replica's schedule in step)."""
 
-    contention: float  # c: alone × c is each process's time when all P compute
+    contention: float  # c: alone × c is each process's time when all P compute (the slowest's)
     processes: int  # P: the processes c was measured with (every training process)
     replicas: int = 1
 

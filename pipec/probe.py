@@ -170,9 +170,12 @@ def side_by_side(run: Callable[[], object], processes: int, rounds: int = 6,
             together = _together(run, repeats, barrier, stop, results, len(copies))
             alone = alone if alone_first else span_s(run, repeats)
             ratios.append(together / alone)
+        barrier.wait()  # the copies exit only now, outside the last timing
     except (threading.BrokenBarrierError, queue.Empty):
         raise RuntimeError(f"the side-by-side copies did not answer in {TIMEOUT_S} s") from None
     finally:
+        stop.set()
+        barrier.abort()  # after a failure here, the copies waiting are let go
         for copy in copies:
             copy.join(timeout=5)
             if copy.is_alive():
@@ -196,15 +199,24 @@ def _together(run: Callable[[], object], repeats: int, barrier: Any, stop: Any, 
 
 def _run_together(run: Callable[[], object], rounds: int, barrier: Any, stop: Any,
                   results: Any) -> None:
-    for _ in range(rounds):
+    try:
+        for _ in range(rounds):
+            barrier.wait()
+            results.put(_until_stopped(run, stop))
         barrier.wait()
-        ends = [time.perf_counter()]
-        while len(ends) < 2 or not stop.is_set():
-            run()
-            ends.append(time.perf_counter())
-        # The last run overlapped the stop, partly alone: left out where others were whole.
-        whole = ends[:-1] if len(ends) > 2 else ends
-        results.put((whole[-1] - whole[0]) / (len(whole) - 1))
+    except threading.BrokenBarrierError:
+        return  # the measuring process gave up: it reports why
+
+
+def _until_stopped(run: Callable[[], object], stop: Any) -> float:
+    """Seconds per run, running until ``stop`` is set. The last run overlapped the stop, partly
+    alone: left out where others were whole (a pass longer than the round keeps its one run)."""
+    ends = [time.perf_counter()]
+    while len(ends) < 2 or not stop.is_set():
+        run()
+        ends.append(time.perf_counter())
+    whole = ends[:-1] if len(ends) > 2 else ends
+    return (whole[-1] - whole[0]) / (len(whole) - 1)
 
 
 def _links(rank: int) -> dict[int, float]:

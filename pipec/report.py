@@ -45,7 +45,7 @@ def decision_text(plan: Plan) -> str:
     decision = plan.decision
     if decision is None:
         return f"Emitted as `--strategy {plan.request.strategy}` asked."
-    margin = f"the time model's measured error, ±{decision.margin:.0%} (docs/fidelity.md)"
+    margin = f"the time model's measured error, ±{decision.margin:.1%} (docs/fidelity.md)"
     runner = decision.runner_up
     if runner is None:
         return (f"No other plan fits what was asked. A more complex plan would have to win by "
