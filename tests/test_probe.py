@@ -88,10 +88,11 @@ def test_four_processes_on_this_machine() -> None:
     # Data parallelism adds to a step, more with more gradient bytes (4 MiB against 16 KiB).
     small, large = figures.data_parallel_s
     assert 0 < small < large
-    # An all-reduce blocking a pass adds to it, more after more compute (16² against 64²
-    # images: 0.5 and 5 ms between two here).
+    # An all-reduce blocking a pass adds to it (16² against 64² images: 0.5 and 5 ms of compute
+    # between two here). More after more compute on 2 processes, but 4 sharing 2 cores put the
+    # two either way round (8.1 against 7.7 ms once): blocking_fit then fits no growth.
     (short_s, short_extra), (long_s, long_extra) = figures.blocking_s
-    assert 0 < short_s < long_s and 0 < short_extra < long_extra
+    assert 0 < short_s < long_s and short_extra > 0 and long_extra > 0
 
 
 def test_the_blocking_fit_goes_through_both_measured_points() -> None:
