@@ -167,7 +167,7 @@ def train(entry: Entry, processes: int, steps: int) -> float:
 
 def steps_for(entry: Entry, steps: int) -> int:
     """``steps``, or more where the timed ones would span under TIMED_S: the MLP sample's
-    6 ms steps, 6 of them timed, measured 5.1 to 7.5 ms from one launch to the next."""
+    6 ms steps, 6 of them timed, measured 5.3 to 7.5 ms from one launch to the next."""
     return max(steps, UNTIMED_STEPS + math.ceil(TIMED_S / entry.predicted_s))
 
 

@@ -165,10 +165,12 @@ def side_by_side(run: Callable[[], object], processes: int, rounds: int = 6,
     try:
         ratios = []
         for round_ in range(rounds):
-            alone_first = round_ % 2 == 0
-            alone = span_s(run, repeats) if alone_first else 0.0
-            together = _together(run, repeats, barrier, stop, results, len(copies))
-            alone = alone if alone_first else span_s(run, repeats)
+            if round_ % 2 == 0:
+                alone = span_s(run, repeats)
+                together = _together(run, repeats, barrier, stop, results, len(copies))
+            else:
+                together = _together(run, repeats, barrier, stop, results, len(copies))
+                alone = span_s(run, repeats)
             ratios.append(together / alone)
         barrier.wait()  # the copies exit only now, outside the last timing
     except (threading.BrokenBarrierError, queue.Empty):
