@@ -55,7 +55,8 @@ def decision_text(plan: Plan) -> str:
              f"{'' if runner.fsdp == 'off' else ', FSDP ' + runner.fsdp}")
     if decision.kept_simpler:
         return (f"Runner-up: {label}, predicted {-decision.runner_up_relative:.1%} faster but more "
-                f"complex; that is within {margin}, so the simpler plan is kept.")
+                f"complex than a plan within {margin} of it; of the simplest plans within that "
+                "margin, this one is predicted fastest.")
     return (f"Runner-up: {label}, predicted {decision.runner_up_relative:.1%} slower. A more "
             f"complex plan wins only by more than {margin}.")
 
