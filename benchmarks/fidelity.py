@@ -24,10 +24,13 @@ and measured step time, then:
 - how far the pick's own launches spread (max − min over median, and how many): the noise.
 
 Targets (issue 13): step time within ±20 % (median over cases), regret ≤ 3 % in every case,
-pipec's pick ≥ every baseline in every case.
+pipec's pick ≥ every baseline in every case. A regret or baseline target is met where the
+median pair meets it; where not, a sign test on the pairs (benchmarks/paired.py) says whether
+the miss is more than this machine's noise ("missed", p ≤ 5 %) or not ("within noise").
 
     python benchmarks/fidelity.py [--rounds 3] [--steps 12] [--duels 4] [--only NAME ...]
                                   [--json FILE]
+    python benchmarks/fidelity.py --report FILE   # the verdicts of a saved run, again
 """
 
 from __future__ import annotations
