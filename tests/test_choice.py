@@ -6,7 +6,7 @@ from pipec.planning.choice import simplest_fastest
 from pipec.planning.costs import Layout, Point
 from pipec.planning.evaluate import Evaluated
 
-MARGIN = 0.038
+MARGIN = 0.035  # the sixth fidelity run's, whose ResNet the second test replays
 
 
 def _plan(micro_batch: int, schedule: str, virtual: int, step_s: float) -> Evaluated:
