@@ -5,12 +5,16 @@ Each pair gives a ratio: the plan's step ÷ the pick's, launched one after the o
 plan's true ratio were at the threshold or above, each pair would land below it with chance at
 most one half, whatever the machine's noise looks like (the sign test: no assumption on its
 distribution, only that pairs are independent). The p-value is the chance of at least as many
-pairs below the threshold as were measured. With 6 pairs all below, p = 1/64 = 1.6 %; with 2
-pairs (the rounds alone) it is at least 25 %: two pairs can never show a miss is real.
+pairs below the threshold as were measured: 6 of 6 below, 1/64 = 1.6 %; 4 of 4, 6.25 %.
 
-A verdict is "met" where the point estimate (the median pair) meets the target, "missed" where
-it does not and p ≤ SIGNIFICANT, and "within noise" otherwise. Over the many plans of a run,
-some verdicts at 5 % are wrong by chance: the figures, not the labels, are the evidence.
+The test counts only the duel's pairs: the rounds' pairs chose which plans to duel (those whose
+median pair lay below the threshold), so counting them too would make every dueled plan look
+surer than it is. A plan not dueled has only the rounds' pairs, 2 by default, which never show
+a miss (25 % at best). A verdict is "met" where the median of all the plan's pairs (the figure
+fidelity.py reports) meets the target, "missed" where it does not and p ≤ SIGNIFICANT, and
+"within noise" otherwise. A case's regret takes the strongest evidence over its plans, with no
+correction for testing several: over a run's dozens of comparisons a few verdicts at 5 % are
+wrong by chance, and the figures, not the labels, are the evidence.
 """
 
 from __future__ import annotations
@@ -42,36 +46,52 @@ class Verdict:
 
 def sign_p(paired: list[float], threshold: float) -> float:
     """The chance that at least as many of ``paired`` fall below ``threshold`` as did, were
-    each pair a fair coin (one-sided sign test)."""
+    each pair a fair coin (one-sided sign test). A pair exactly at the threshold counts as not
+    below and stays in n, which can only make p larger."""
     n, below = len(paired), sum(r < threshold for r in paired)
     return sum(math.comb(n, k) for k in range(below, n + 1)) / 2 ** n
 
 
-def judged(paired: list[float], threshold: float) -> Verdict:
+def judged(paired: list[float], threshold: float, rounds: int) -> Verdict:
     """Whether a plan's median pair below ``threshold`` (faster than the target allows) is
-    more than noise."""
+    more than noise, tested on the pairs after the first ``rounds`` (those that chose to duel
+    it), or on all of them where it was not dueled."""
     ratio = statistics.median(paired)
-    below = sum(r < threshold for r in paired)
+    tested = paired[rounds:] or paired
+    below = sum(r < threshold for r in tested)
     if ratio >= threshold:
-        return Verdict("met", ratio, below, len(paired), 1.0)
-    p = sign_p(paired, threshold)
+        return Verdict("met", ratio, below, len(tested), 1.0)
+    p = sign_p(tested, threshold)
     return Verdict("missed" if p <= SIGNIFICANT else "within noise", ratio, below,
-                   len(paired), p)
+                   len(tested), p)
+
+
+def regret_threshold(target_regret: float) -> float:
+    """The step ratio to the pick below which a plan's samples/s beat the pick's by more than
+    ``target_regret``."""
+    return 1 / (1 + target_regret)
 
 
 def regret_verdict(plans: list[dict[str, Any]], target_regret: float) -> Verdict:
     """Regret ≤ the target: no plan measured faster than the pick by more than it. The plan
     with the strongest evidence against the target decides (the smallest p)."""
-    threshold = 1 / (1 + target_regret)
-    verdicts = [judged(p["paired"], threshold) for p in plans if "pipec" not in p["roles"]]
-    return min(verdicts, key=_strength, default=Verdict("met", 1.0, 0, 0, 1.0))
+    rounds = _rounds(plans)
+    verdicts = [judged(p["paired"], regret_threshold(target_regret), rounds) for p in plans
+                if "pipec" not in p["roles"]]
+    return worst(verdicts)
 
 
 def baseline_verdicts(plans: list[dict[str, Any]], baselines: tuple[str, ...]
                       ) -> dict[str, Verdict]:
     """The pick measured at least as fast as each baseline (the threshold is 1)."""
-    return {role: judged(p["paired"], 1.0) for p in plans if "pipec" not in p["roles"]
+    rounds = _rounds(plans)
+    return {role: judged(p["paired"], 1.0, rounds) for p in plans if "pipec" not in p["roles"]
             for role in p["roles"] if role in baselines}
+
+
+def _rounds(plans: list[dict[str, Any]]) -> int:
+    """The rounds every plan ran: the pick's own pairs (a duel adds pairs to its rival only)."""
+    return len(next(p["paired"] for p in plans if "pipec" in p["roles"]))
 
 
 def worst(verdicts: list[Verdict]) -> Verdict:

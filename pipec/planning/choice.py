@@ -16,9 +16,9 @@ from pipec.schedule import ZERO_BUBBLE
 # benchmarks/fidelity.py (docs/fidelity.md) with compute times measured on the device: each
 # plan's measured ÷ predicted step time against the median ratio of its model's other plans.
 # Over 53 plans of 9 models (2026-12-02, seventh session): a median 8.3 % (75th percentile
-# 12.5 %), on a machine whose data-parallel steps ran 20-30 % over their prediction that day
-# and pipelines did not; over the sixth session's 52 plans, 3.6 % and 6.7 %. The margin keeps
-# the larger of the last two runs. Before: 3.8 % and 6.9 % (fifth session); counted against
+# 12.5 %), a session in which most plans measured 20 % or more over their prediction (the
+# median plan +23.5 %); over the sixth session's 52 plans, 3.6 % and 6.7 %. The margin keeps
+# the larger of the last two runs. Before: 3.8 % and 6.8 % (fifth session); counted against
 # every plan's median, its own included (a case's middle plan then counts 0), 3.5 % and 6.3 %
 # in the fourth, 5.3 % and 8.8 % before, 6.3 % and 13.1 % before processes sharing cores were
 # modelled, 9 % and 16 % before the per-schedule runtime and data-parallel terms. A preset's
