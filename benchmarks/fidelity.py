@@ -234,8 +234,11 @@ def summary(case: Case, entries: list[Entry]) -> dict[str, Any]:
         "pick_vs_baselines": {r: e.relative for e in baselines for r in e.roles
                               if r in BASELINES},
         "pick_spread": spread(pick.measured_s), "pick_launches": len(pick.measured_s),
+        # What the compile measured, to tell later whether the machine moved since.
+        "contention": (pick.plan["predicted"].get("shared_cores") or {}).get("contention"),
         "plans": [{"roles": e.roles, "plan": e.label(), "predicted_s": e.predicted_s,
-                   "measured_s": e.measured_s, "paired": e.paired} for e in entries],
+                   "measured_s": e.measured_s, "paired": e.paired,
+                   "step_terms": e.plan["predicted"].get("step_terms", {})} for e in entries],
     }
 
 
