@@ -72,6 +72,8 @@ class NodeCost:
     # What selective recomputation keeps for every micro-batch in flight (fp32): the outputs
     # of the node's weight products, convolutions and fused attention (pipec.kernels).
     selective_bytes: Linear = Linear(0.0, 0.0)
+    # The parameter tensors among ``params``: DDP does work for each one's gradient.
+    param_tensors: int = 0
 
 @dataclass(frozen=True)
 class LossCost:

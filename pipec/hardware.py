@@ -68,6 +68,9 @@ class Device:
     # keeps its buckets' books. Paid per DDP bucket and by the loss's all-reduce (measured:
     # pipec.probe; costmodel.data_parallel_collectives).
     step_collective_s: float = 0.0
+    # What DDP adds a step per gradient tensor within a node: its reducer's autograd hook marks
+    # each one ready, on the cores the backward computes on (measured: pipec.probe).
+    gradient_tensor_s: float = 0.0
     # What an all-reduce blocking in the middle of a pass costs within a node (a synchronized
     # BatchNorm's, forward and backward): blocking_collective_s + blocking_drift · √T, T the
     # seconds of compute since the one before (the replicas drift apart in between; measured:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from pipec.allreduces import DATA_PARALLEL_WIDTHS, data_parallel_bytes
+from pipec.allreduces import DATA_PARALLEL_SHAPES, data_parallel_bytes, data_parallel_tensors
 from pipec.calibrate import PROFILE_SIZES, profile_model
 from pipec.calibrationfile import load_calibration, save_calibration
 from pipec.costmodel import Calibration, data_parallel_collectives
@@ -37,7 +37,7 @@ from pipec.schedule import ZERO_BUBBLE, simulate, stage_device
 log = logging.getLogger(__name__)
 
 MEASURE_CHOICES = ("auto", "off")
-CACHE_VERSION = 6  # bump when what is measured, or how, changes
+CACHE_VERSION = 7  # bump when what is measured, or how, changes
 REPEATS = 10  # passes per micro-batch size, as pipec profile's default, at least
 # This machine's speed drifts by ±15 % from one 2-second window to the next (a shared virtual
 # machine): passes spread over this many seconds average it out.
@@ -141,11 +141,12 @@ def _runtime(target: Target, processes: int) -> RuntimeFigures | None:
 
 
 def _with_runtime(device: Device, runtime: RuntimeFigures) -> Device:
-    collective, bandwidth = data_parallel_fit(runtime)
+    collective, bandwidth, per_tensor = data_parallel_fit(runtime)
     blocking, drift = blocking_fit(runtime)
     return replace(device, intra_node_latency_s=runtime.latency_s,
                    intra_node_bandwidth=runtime.bandwidth, allreduce_bandwidth=bandwidth,
-                   step_collective_s=collective, blocking_collective_s=blocking,
+                   step_collective_s=collective, gradient_tensor_s=per_tensor,
+                   blocking_collective_s=blocking,
                    blocking_drift=drift, action_overhead_s=runtime.action_overhead_s,
                    step_overhead_s=runtime.step_overhead_s,
                    schedule_action_s=schedule_action_s(runtime),
@@ -155,25 +156,33 @@ def _with_runtime(device: Device, runtime: RuntimeFigures) -> Device:
                    if device.device_type == "cpu" else 0.0)
 
 
-def data_parallel_fit(runtime: RuntimeFigures) -> tuple[float, float]:
-    """Each all-reduce's wait in a step and the bus bandwidth that make the model (the
-    all-reduces of data_parallel_collectives, the ring's latency and bytes, the runtime's step
-    overhead) reproduce the probe's two data-parallel steps: the smaller, whose bytes cost
-    next to nothing, gives the wait; the larger, the bandwidth (the all-reduce's own where
-    the larger's bytes explain less than the noise)."""
-    d = runtime.processes
-    ring = 2 * (d - 1) * runtime.latency_s
-    share = 2 * (d - 1) / d  # of the bytes, over the bus
-    small, large = (data_parallel_bytes(w) for w in DATA_PARALLEL_WIDTHS)
-    small_s, large_s = runtime.data_parallel_s
-    bandwidth = runtime.allreduce_bandwidth
-    for _ in range(3):  # the small model's few bytes, at the bandwidth fitted so far
-        collective = max(small_s - runtime.step_overhead_s - ring
-                         - share * small / bandwidth, 0.0) / data_parallel_collectives(small)
-        bytes_s = large_s - runtime.step_overhead_s - ring \
-            - data_parallel_collectives(large) * collective
+def data_parallel_fit(runtime: RuntimeFigures) -> tuple[float, float, float]:
+    """Each all-reduce's wait in a step, the bus bandwidth and the time per gradient tensor
+    that make the model reproduce the probe's three data-parallel steps (DATA_PARALLEL_SHAPES):
+    the all-reduces of data_parallel_collectives, the ring's latency and bytes, DDP's work per
+    gradient tensor, the runtime's step overhead, and the lead one process takes on the other
+    over the step's compute (blocking_fit's drift · √T). The third model, with as few bytes as
+    the first but 12 times its tensors, gives the time per tensor; the first, whose bytes cost
+    next to nothing, the wait; the second, the bandwidth (the all-reduce's own where its bytes
+    explain less than the noise)."""
+    share = 2 * (runtime.processes - 1) / runtime.processes  # of the bytes, over the bus
+    fixed = runtime.step_overhead_s + 2 * (runtime.processes - 1) * runtime.latency_s  # ring
+    drift = blocking_fit(runtime)[1]
+    compute = runtime.data_parallel_compute_s or (0.0,) * len(DATA_PARALLEL_SHAPES)
+    small_s, large_s, many_s = (extra - drift * math.sqrt(t)
+                                for extra, t in zip(runtime.data_parallel_s, compute, strict=True))
+    small, large, many = (data_parallel_bytes(*shape) for shape in DATA_PARALLEL_SHAPES)
+    small_t, large_t, many_t = (data_parallel_tensors(n) for _, n in DATA_PARALLEL_SHAPES)
+    bandwidth, per_tensor, collective = runtime.allreduce_bandwidth, 0.0, 0.0
+    for _ in range(3):  # the small models' few bytes, at the bandwidth fitted so far
+        per_tensor = max(many_s - small_s - share * (many - small) / bandwidth, 0.0) \
+            / (many_t - small_t)
+        collective = max(small_s - fixed - share * small / bandwidth - small_t * per_tensor,
+                         0.0) / data_parallel_collectives(small)
+        bytes_s = large_s - fixed - data_parallel_collectives(large) * collective \
+            - large_t * per_tensor
         bandwidth = share * large / bytes_s if bytes_s > 0 else runtime.allreduce_bandwidth
-    return collective, bandwidth
+    return collective, bandwidth, per_tensor
 
 
 def blocking_fit(runtime: RuntimeFigures) -> tuple[float, float]:

@@ -50,7 +50,7 @@ from torch import nn
 
 from pipec.allreduces import (
     ALLREDUCE_BYTES,
-    DATA_PARALLEL_WIDTHS,
+    DATA_PARALLEL_SHAPES,
     allreduce_s,
     blocking_s,
     data_parallel_s,
@@ -78,13 +78,15 @@ class RuntimeFigures:
     # Per schedule, a step of the 2-device pipeline of SCHEDULE_MICRO_BATCHES micro-batches.
     schedule_step_s: dict[str, float]
     split_backward_node_s: float  # what a split backward adds per autograd operation
-    # Per DATA_PARALLEL_WIDTHS, what a data-parallel step adds to the same step without it.
-    data_parallel_s: tuple[float, float]
+    # Per DATA_PARALLEL_SHAPES, what a data-parallel step adds to the same step without it.
+    data_parallel_s: tuple[float, ...]
     # What selective recomputation adds per autograd operation, forward or recomputing.
     selective_node_s: float
     # Per size of the blocking probe (pipec.allreduces): the compute between two blocking
     # all-reduces and what each adds to the step, seconds (none with one process).
     blocking_s: tuple[tuple[float, float], ...]
+    # Per DATA_PARALLEL_SHAPES, the step without data parallelism (the median process's).
+    data_parallel_compute_s: tuple[float, ...] = ()
 
 
 def probe_runtime(processes: int, threads: int) -> RuntimeFigures:
@@ -93,7 +95,8 @@ def probe_runtime(processes: int, threads: int) -> RuntimeFigures:
     (pipec.heap)."""
     keep_freed_memory()
     if processes < 2:
-        return RuntimeFigures(1, 0.0, 0.0, 0.0, 0.0, 0.0, {}, 0.0, (0.0, 0.0),
+        return RuntimeFigures(1, 0.0, 0.0, 0.0, 0.0, 0.0, {}, 0.0,
+                              (0.0,) * len(DATA_PARALLEL_SHAPES),
                               _selective_node_s(), ())
     context = mp.get_context("fork")
     results = context.Queue()
@@ -134,7 +137,7 @@ def _worker(rank: int, world: int, port: int, threads: int, results: Any) -> Non
                    "action": _action_overhead(rank), "schedules": _schedule_steps(rank),
                    "split": _split_backward_node_s(), "selective": _selective_node_s(),
                    "allreduce": allreduce_s(), "step": step_s(),
-                   "data_parallel": [data_parallel_s(w) for w in DATA_PARALLEL_WIDTHS],
+                   "data_parallel": [data_parallel_s(*shape) for shape in DATA_PARALLEL_SHAPES],
                    "blocking": blocking_s()}
         dist.destroy_process_group()
         results.put((rank, figures))
@@ -394,10 +397,12 @@ def _combine(processes: int, figures: list[dict[str, Any]]) -> RuntimeFigures:
                           {s: max(figures[0]["schedules"][s], figures[1]["schedules"][s])
                            for s in figures[0]["schedules"]},
                           statistics.median(f["split"] for f in figures),
-                          (max(f["data_parallel"][0] for f in figures),
-                           max(f["data_parallel"][1] for f in figures)),
+                          tuple(max(f["data_parallel"][i][1] for f in figures)
+                                for i in range(len(DATA_PARALLEL_SHAPES))),
                           statistics.median(f["selective"] for f in figures),
-                          _blocking(figures))
+                          _blocking(figures),
+                          tuple(statistics.median(f["data_parallel"][i][0] for f in figures)
+                                for i in range(len(DATA_PARALLEL_SHAPES))))
 
 
 def _blocking(figures: list[dict[str, Any]]) -> tuple[tuple[float, float], ...]:

@@ -40,6 +40,9 @@ def test_linear_flops_and_bytes_are_exact() -> None:
 def test_parameters_are_counted_once_and_exactly(name: str) -> None:
     traced, graph = analyse(SAMPLES / f"{name}.py")
     assert graph.total_params == sum(p.numel() for p in traced.graph_module.parameters())
+    # And the tensors among them, each a gradient DDP handles.
+    assert sum(n.param_tensors for n in graph.nodes) == \
+        len(list(traced.graph_module.parameters()))
 
 
 def test_batch_independent_values_are_not_scaled() -> None:
@@ -71,6 +74,7 @@ def test_a_shared_module_may_be_cut_and_its_copy_is_counted() -> None:
     assert all(graph.legal_cuts[uses[0] + 1:uses[1] + 1])
     # Counted once in the model's parameters; the last user carries the bytes of a second copy.
     assert graph.nodes[uses[0]].params == 8 * 8 + 8 and graph.nodes[uses[1]].params == 0
+    assert (graph.nodes[uses[0]].param_tensors, graph.nodes[uses[1]].param_tensors) == (2, 0)
     assert graph.nodes[uses[1]].shared_bytes == (8 * 8 + 8) * 4
     assert sum(n.shared_bytes for n in graph.nodes) == (8 * 8 + 8) * 4
 

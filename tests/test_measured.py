@@ -84,8 +84,8 @@ def test_several_processes_measure_the_training_runtime_too(tmp_path: Path, cach
     assert (device.blocking_collective_s, device.blocking_drift) == \
         blocking_fit(RuntimeFigures(**runtime))
     # The data-parallel terms are the fit of the cached figures, not the probe's lone all-reduce.
-    assert (device.step_collective_s, device.allreduce_bandwidth) == \
-        data_parallel_fit(RuntimeFigures(**runtime))
+    assert (device.step_collective_s, device.allreduce_bandwidth, device.gradient_tensor_s) \
+        == data_parallel_fit(RuntimeFigures(**runtime))
     assert device.action_overhead_s == runtime["action_overhead_s"]
     assert dict(device.schedule_action_s).keys() == runtime["schedule_step_s"].keys()
     calibration = plan.request.calibration

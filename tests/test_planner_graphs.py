@@ -278,6 +278,32 @@ def test_a_data_parallel_step_pays_each_all_reduces_wait() -> None:
         graph, replace(request, pp=2, devices=(_device(),) * 2)).iteration_s)
 
 
+def test_a_data_parallel_step_pays_ddps_work_per_gradient_tensor() -> None:
+    """The same 2 replicas with the weights in 3 tensors on the first node and 2 on the second:
+    DDP's work per gradient tensor (30 µs here) is paid for each of the 5; a pipeline of the
+    two nodes without replicas pays none."""
+    graph = _chain([1e9] * 2, param_bytes=[5 * MIB, 0])
+    nodes = tuple(replace(n, param_tensors=t) for n, t in zip(graph.nodes, (3, 2), strict=True))
+    graph = replace(graph, nodes=nodes)
+    request = _request([_device()] * 2, global_batch=16, micro_batch=8, schedule="gpipe")
+    per_tensor = replace(request, devices=(replace(_device(), gradient_tensor_s=30e-6),) * 2)
+    base = plan(graph, replace(request, pp=1)).iteration_s
+    assert plan(graph, replace(per_tensor, pp=1)).iteration_s == pytest.approx(base + 5 * 30e-6)
+    assert plan(graph, replace(per_tensor, pp=2)).iteration_s == pytest.approx(
+        plan(graph, replace(request, pp=2)).iteration_s)
+
+
+def test_a_data_parallel_step_pays_the_lead_one_replica_takes_over_its_compute() -> None:
+    """The same 2 replicas, one micro-batch of 8 each: 16 ms forward and 32 ms backward without
+    a wait for the other replica, whose lead at the step's all-reduces is measured as 10 ms/√s
+    × √T (Device.blocking_drift, T that compute)."""
+    graph = _chain([1e9] * 2, param_bytes=[5 * MIB, 0])
+    request = _request([_device()] * 2, global_batch=16, pp=1, micro_batch=8, schedule="gpipe")
+    drifting = replace(request, devices=(replace(_device(), blocking_drift=0.01),) * 2)
+    assert plan(graph, drifting).iteration_s == pytest.approx(
+        plan(graph, request).iteration_s + 0.01 * math.sqrt(0.048))
+
+
 def test_a_device_holds_the_batch_and_each_kernel_once_whatever_its_stages() -> None:
     """ZB-V on 2 CPU processes: device 0 runs the first and the last stage. The synthetic batch
     (16 samples of 1 KiB inputs, 16 × 1 KiB targets) is made once in its process, and the math

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from pipec.allreduces import DATA_PARALLEL_WIDTHS, data_parallel_bytes
+from pipec.allreduces import DATA_PARALLEL_SHAPES, data_parallel_bytes, data_parallel_tensors
 from pipec.costmodel import allreduce_s, data_parallel_collectives
 from pipec.hardware import PRESETS
 from pipec.measured import (
@@ -34,7 +34,7 @@ def test_one_process_measures_nothing_it_cannot_use() -> None:
     operation and pass here (an operation's own time is a few µs: far below a millisecond)."""
     figures = probe_runtime(1, 1)
     assert replace(figures, selective_node_s=0.0) == RuntimeFigures(
-        1, 0.0, 0.0, 0.0, 0.0, 0.0, {}, 0.0, (0.0, 0.0), 0.0, ())
+        1, 0.0, 0.0, 0.0, 0.0, 0.0, {}, 0.0, (0.0, 0.0, 0.0), 0.0, ())
     assert 1e-7 < figures.selective_node_s < 1e-3
     assert side_by_side(lambda: None, 1) == 1.0
 
@@ -85,9 +85,10 @@ def test_four_processes_on_this_machine() -> None:
     assert min(steps["interleaved"], steps["zbv"]) > steps["1f1b"]
     # Splitting a backward walks its autograd graph in Python: microseconds per operation.
     assert 0 < figures.split_backward_node_s < 1e-3
-    # Data parallelism adds to a step, more with more gradient bytes (4 MiB against 16 KiB).
-    small, large = figures.data_parallel_s
-    assert 0 < small < large
+    # Data parallelism adds to a step, more with more gradient bytes (4 MiB against 16 KiB)
+    # and more with more gradient tensors (96 against 8, the same bytes about).
+    small, large, many = figures.data_parallel_s
+    assert 0 < small < large and small < many
     # An all-reduce blocking a pass adds to it (16² against 64² images: 0.5 and 5 ms of compute
     # between two here). More after more compute on 2 processes, but 4 sharing 2 cores put the
     # two either way round (8.1 against 7.7 ms once): blocking_fit then fits no growth.
@@ -101,7 +102,7 @@ def test_the_blocking_fit_goes_through_both_measured_points() -> None:
         return 1e-3 + 0.02 * math.sqrt(compute_s)
 
     blocking = ((1e-3, extra(1e-3)), (16e-3, extra(16e-3)))
-    runtime = RuntimeFigures(2, 0.0, 1e30, 0.0, 1e9, 0.0, {}, 0.0, (0.0, 0.0), 0.0, blocking)
+    runtime = RuntimeFigures(2, 0.0, 1e30, 0.0, 1e9, 0.0, {}, 0.0, (0.0,) * 3, 0.0, blocking)
     assert blocking_fit(runtime) == pytest.approx((1e-3, 0.02))
     # Nothing measured (one process), or less after more compute (noise): no drift.
     assert blocking_fit(replace(runtime, blocking_s=())) == (0.0, 0.0)
@@ -109,32 +110,41 @@ def test_the_blocking_fit_goes_through_both_measured_points() -> None:
     assert blocking_fit(replace(runtime, blocking_s=noisy)) == (2e-3, 0.0)
 
 
-def test_the_data_parallel_fit_reproduces_both_measured_steps() -> None:
+def test_the_data_parallel_fit_reproduces_the_three_measured_steps() -> None:
     # 4 processes on a machine where a data-parallel step adds the ring's 6 latencies of
     # 100 µs, 1.5 × its bytes at 1 GB/s, the loss's all-reduce charged at 0.3 ms already (step
-    # overhead), and 0.5 ms per all-reduce: the small model's 1 bucket and the loss's are 2,
-    # the 4 MiB model's 2 buckets (1 MiB, then the rest) and the loss's 3.
-    small, large = (data_parallel_bytes(w) for w in DATA_PARALLEL_WIDTHS)
-    assert [data_parallel_collectives(b) for b in (small, large)] == [2, 3]
+    # overhead), 0.5 ms per all-reduce, 20 µs per gradient tensor and the lead of 20 ms/√s ×
+    # √T after T of compute (the blocking probe's drift): the small models' 1 bucket and the
+    # loss's are 2 all-reduces, the 4 MiB model's 2 buckets (1 MiB, then the rest) and the
+    # loss's 3.
+    nbytes = [data_parallel_bytes(*shape) for shape in DATA_PARALLEL_SHAPES]
+    tensors = [data_parallel_tensors(layers) for _, layers in DATA_PARALLEL_SHAPES]
+    assert [data_parallel_collectives(b) for b in nbytes] == [2, 3, 2] and tensors == [8, 8, 96]
+    compute = (1e-3, 2e-3, 4e-3)
 
-    def added(nbytes: int) -> float:
+    def added(nbytes: int, tensors: int, compute_s: float) -> float:
         return 0.3e-3 + 6 * 100e-6 + data_parallel_collectives(nbytes) * 0.5e-3 \
-            + 1.5 * nbytes / 1e9
+            + 1.5 * nbytes / 1e9 + tensors * 20e-6 + 0.02 * math.sqrt(compute_s)
 
+    blocking = ((1e-3, 1e-3 + 0.02 * math.sqrt(1e-3)), (16e-3, 1e-3 + 0.02 * math.sqrt(16e-3)))
     runtime = RuntimeFigures(4, 100e-6, 1e30, 0.0, 5e9, 0.3e-3, {}, 0.0,
-                             (added(small), added(large)), 0.0, ())
-    collective, bandwidth = data_parallel_fit(runtime)
+                             tuple(map(added, nbytes, tensors, compute)), 0.0, blocking,
+                             compute)
+    collective, bandwidth, per_tensor = data_parallel_fit(runtime)
     # The bandwidth is the step's, not the probe's lone all-reduce's 5 GB/s.
     assert collective == pytest.approx(0.5e-3) and bandwidth == pytest.approx(1e9)
+    assert per_tensor == pytest.approx(20e-6)
     device = replace(PRESETS["cpu"], intra_node_latency_s=100e-6, allreduce_bandwidth=bandwidth,
-                     step_collective_s=collective)
-    for nbytes in (small, large):
-        model = 0.3e-3 + allreduce_s(nbytes, 4, device) \
-            + data_parallel_collectives(nbytes) * collective
-        assert model == pytest.approx(added(nbytes), rel=1e-6)
-    # Steps that do not grow with the bytes (noise) keep the all-reduce's own bandwidth.
-    flat = replace(runtime, data_parallel_s=(added(small), added(small)))
-    assert data_parallel_fit(flat)[1] == 5e9
+                     step_collective_s=collective, gradient_tensor_s=per_tensor)
+    for size, count, compute_s in zip(nbytes, tensors, compute, strict=True):
+        model = 0.3e-3 + allreduce_s(size, 4, device) + data_parallel_collectives(size) \
+            * collective + count * per_tensor + blocking_fit(runtime)[1] * math.sqrt(compute_s)
+        assert model == pytest.approx(added(size, count, compute_s), rel=1e-6)
+    # Steps that do not grow with the bytes or the tensors (noise), no drift: the all-reduce's
+    # own bandwidth, next to nothing per tensor (the many tensors' 3 KiB fewer bytes).
+    flat = data_parallel_fit(replace(runtime, blocking_s=(),
+                                     data_parallel_s=(added(nbytes[0], 8, 0.0),) * 3))
+    assert flat[1] == 5e9 and flat[2] < 1e-7
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)

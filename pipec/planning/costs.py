@@ -161,6 +161,7 @@ class Costs:
         self.graph_has_batch_norm = any(n.batch_norm_channels for n in graph.nodes)
         self.autograd_nodes = np.array([n.autograd_nodes for n in graph.nodes], dtype=float)
         self.param_bytes = np.array([n.param_bytes for n in graph.nodes], dtype=float)
+        self.param_tensors = np.array([n.param_tensors for n in graph.nodes], dtype=float)
         # Per node, the fp32 bytes of its parameters, shared ones included (what FSDP shards).
         self.weight_bytes = self.param_bytes + np.array([n.shared_bytes for n in graph.nodes],
                                                         dtype=float)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, replace
 
 from pipec.costmodel import (
@@ -280,13 +281,30 @@ def sync_s(costs: Costs, e: Evaluated) -> float:
     """The slowest position's data-parallel collectives (all positions run theirs at once):
     the gradient all-reduce, or FSDP's all-gathers and reduce-scatter."""
     spans = list(itertools.pairwise(e.boundaries))
-    return max(_collectives_s(costs, e, p, _spans_on(e, spans, p)) for p in range(e.layout.pp))
+    return max(_collectives_s(costs, e, p, _spans_on(e, spans, p), _unsynchronized_s(e, p))
+               for p in range(e.layout.pp))
+
+
+def _unsynchronized_s(e: Evaluated, position: int) -> float:
+    """The compute a position's replicas run between two steps' all-reduces without waiting
+    for each other: the whole step's, unless synchronized BatchNorms make them wait (whose
+    waits the stages' times hold: synchronized_norm_s; the little after the last is left)."""
+    synchronized = e.stage_costs.synchronized_norm_s
+    spans = list(itertools.pairwise(e.boundaries))
+    if synchronized is not None and any(synchronized[a:b].any()
+                                        for a, b in _spans_on(e, spans, position)):
+        return 0.0
+    fwd, bwd = stage_times(e)
+    return e.num_micro_batches * sum(fwd[k] + bwd[k] for k in e.layout.stages_on(position))
 
 
 def _collectives_s(costs: Costs, e: Evaluated, position: int,
-                   spans: list[tuple[int, int]]) -> float:
+                   spans: list[tuple[int, int]], compute_s: float) -> float:
     """One position's collectives, each also paying the wait a collective after compute has
-    (Device.step_collective_s, measured within a node)."""
+    (Device.step_collective_s, measured within a node); under DDP, also its work per gradient
+    tensor (Device.gradient_tensor_s, the host's, wherever the replicas are), and the lead
+    one replica takes on the other over the step's ``compute_s`` since the last step's
+    all-reduces, as an all-reduce in a pass waits for it (Device.blocking_drift · √T)."""
     layout = e.layout
     if layout.dp == 1:
         return 0.0
@@ -294,11 +312,14 @@ def _collectives_s(costs: Costs, e: Evaluated, position: int,
     per_node = costs.request.gpus // costs.request.nodes
     inter_node = spans_nodes(position, layout.pp, layout.dp, per_node, layout.replicas_inner)
     wait = 0.0 if inter_node else link.step_collective_s
+    lead = 0.0 if inter_node else link.blocking_drift * math.sqrt(compute_s)
     if layout.fsdp in SHARDED:
         weights = sum(float(costs.weight_bytes[a:b].sum()) for a, b in spans)
         return (collectives_s(layout.fsdp, weights, e.num_micro_batches, layout.dp, link,
                               inter_node)
-                + collective_count(layout.fsdp, e.num_micro_batches) * wait)
+                + collective_count(layout.fsdp, e.num_micro_batches) * wait + lead)
     grad_bytes = sum(float(costs.param_bytes[a:b].sum()) for a, b in spans)
+    tensors = sum(float(costs.param_tensors[a:b].sum()) for a, b in spans)
     return (allreduce_s(grad_bytes, layout.dp, link, inter_node)
-            + data_parallel_collectives(grad_bytes) * wait)
+            + data_parallel_collectives(grad_bytes) * wait + tensors * link.gradient_tensor_s
+            + lead)
