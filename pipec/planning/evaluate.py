@@ -304,7 +304,8 @@ def _collectives_s(costs: Costs, e: Evaluated, position: int,
     (Device.step_collective_s, measured within a node); under DDP, also its work per gradient
     tensor (Device.gradient_tensor_s, the host's, wherever the replicas are), and the lead
     one replica takes on the other over the step's ``compute_s`` since the last step's
-    all-reduces, as an all-reduce in a pass waits for it (Device.blocking_drift · √T)."""
+    all-reduces, as an all-reduce in a pass waits for it (Device.blocking_drift · √T; FSDP's
+    collectives, several a micro-batch, are not charged one: not measured)."""
     layout = e.layout
     if layout.dp == 1:
         return 0.0
@@ -317,7 +318,7 @@ def _collectives_s(costs: Costs, e: Evaluated, position: int,
         weights = sum(float(costs.weight_bytes[a:b].sum()) for a, b in spans)
         return (collectives_s(layout.fsdp, weights, e.num_micro_batches, layout.dp, link,
                               inter_node)
-                + collective_count(layout.fsdp, e.num_micro_batches) * wait + lead)
+                + collective_count(layout.fsdp, e.num_micro_batches) * wait)
     grad_bytes = sum(float(costs.param_bytes[a:b].sum()) for a, b in spans)
     tensors = sum(float(costs.param_tensors[a:b].sum()) for a, b in spans)
     return (allreduce_s(grad_bytes, layout.dp, link, inter_node)
