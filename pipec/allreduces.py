@@ -24,8 +24,8 @@ from pipec.timers import mean_s, median_s
 ALLREDUCE_BYTES = 4 * 1024 * 1024
 # The data-parallel probe's models, (width, linear layers), 32 samples: gradients of 16 KiB
 # and 4 MiB in 8 tensors, then 14 KiB in 96. DDP's reducer does work for every gradient tensor
-# (its autograd hook marks each one ready): measured here, 96 tensors of 14 KiB cost 1.5–2.5
-# ms a step more than 8 tensors of 16 KiB, with the same two all-reduces.
+# (its autograd hook marks each one ready): measured here, 96 tensors of 14 KiB cost 1.3 ms a
+# step more than 8 tensors of 16 KiB, with the same two all-reduces.
 DATA_PARALLEL_SHAPES = ((32, 4), (512, 4), (8, 48))
 # The blocking probe: BLOCKING_BLOCKS conv → BatchNorm → ReLU blocks of 16 channels on 8 images
 # of each side, an all-reduce of a BatchNorm's statistics after each block, forward and back.
