@@ -46,14 +46,17 @@ def plan_dict(plan: Plan, norms: NormPlan, traced: Traced) -> dict[str, Any]:
             "runtime_overhead_s": {
                 "per_action": action_s(request.devices, plan.schedule),
                 "per_step": max(d.step_overhead_s for d in request.devices)},
-            # Inside step_terms' data-parallel term, as measured within a node (0: not): each
-            # all-reduce's wait after compute, and DDP's work per gradient tensor.
+            # Inside step_terms' all_reduce term, as measured within a node (0: not): each
+            # all-reduce's wait after compute, and DDP's work per gradient tensor (with the
+            # ring's latency and bytes and, under DDP, the replicas' lead: blocking_all_reduce's
+            # drift × √ of the step's compute).
             "data_parallel": {
                 "wait_per_all_reduce_s": max(d.step_collective_s for d in request.devices),
                 "per_gradient_tensor_s": max(d.gradient_tensor_s for d in request.devices)},
             "shared_cores": _shared_cores(request, plan.dp),
             # Inside the stages' times: what the synchronized BatchNorms wait a step, and an
-            # all-reduce blocking a pass as measured (pipec.allreduces; 0, 0: not measured).
+            # all-reduce blocking a pass as measured (pipec.allreduces; 0, 0: not measured);
+            # its drift also gives the data-parallel step's lead, inside step_terms.
             "synchronized_norm_s": plan.synchronized_norm_s,
             "blocking_all_reduce": {
                 "latency_s": max(d.blocking_collective_s for d in request.devices),

@@ -291,6 +291,11 @@ def test_a_data_parallel_step_pays_ddps_work_per_gradient_tensor() -> None:
     assert plan(graph, replace(per_tensor, pp=1)).iteration_s == pytest.approx(base + 5 * 30e-6)
     assert plan(graph, replace(per_tensor, pp=2)).iteration_s == pytest.approx(
         plan(graph, replace(request, pp=2)).iteration_s)
+    # 2 pipeline devices × 2 replicas: each position all-reduces its own stage's gradients, at
+    # once; the step waits for the slower, node 0's 5 MiB in 3 tensors.
+    four = replace(request, gpus=4, global_batch=32, devices=(_device(),) * 4, pp=2)
+    assert plan(graph, replace(four, devices=per_tensor.devices * 2)).iteration_s == \
+        pytest.approx(plan(graph, four).iteration_s + 3 * 30e-6)
 
 
 def test_a_data_parallel_step_pays_the_lead_one_replica_takes_over_its_compute() -> None:

@@ -280,21 +280,24 @@ def stage_bwd_s(sc: StageCosts, k: int, a: int, b: int, recompute: str = "none",
 def sync_s(costs: Costs, e: Evaluated) -> float:
     """The slowest position's data-parallel collectives (all positions run theirs at once):
     the gradient all-reduce, or FSDP's all-gathers and reduce-scatter."""
+    if e.layout.dp == 1:
+        return 0.0
     spans = list(itertools.pairwise(e.boundaries))
-    return max(_collectives_s(costs, e, p, _spans_on(e, spans, p), _unsynchronized_s(e, p))
+    fwd, bwd = stage_times(e)
+    return max(_collectives_s(costs, e, p, _spans_on(e, spans, p),
+                              _unsynchronized_s(e, p, spans, fwd, bwd))
                for p in range(e.layout.pp))
 
 
-def _unsynchronized_s(e: Evaluated, position: int) -> float:
+def _unsynchronized_s(e: Evaluated, position: int, spans: list[tuple[int, int]],
+                      fwd: list[float], bwd: list[float]) -> float:
     """The compute a position's replicas run between two steps' all-reduces without waiting
     for each other: the whole step's, unless synchronized BatchNorms make them wait (whose
     waits the stages' times hold: synchronized_norm_s; the little after the last is left)."""
     synchronized = e.stage_costs.synchronized_norm_s
-    spans = list(itertools.pairwise(e.boundaries))
     if synchronized is not None and any(synchronized[a:b].any()
                                         for a, b in _spans_on(e, spans, position)):
         return 0.0
-    fwd, bwd = stage_times(e)
     return e.num_micro_batches * sum(fwd[k] + bwd[k] for k in e.layout.stages_on(position))
 
 
