@@ -37,7 +37,7 @@ from pipec.schedule import ZERO_BUBBLE, simulate, stage_device
 log = logging.getLogger(__name__)
 
 MEASURE_CHOICES = ("auto", "off")
-CACHE_VERSION = 7  # bump when what is measured, or how, changes
+CACHE_VERSION = 8  # bump when what is measured, or how, changes
 REPEATS = 10  # passes per micro-batch size, as pipec profile's default, at least
 # This machine's speed drifts by ±15 % from one 2-second window to the next (a shared virtual
 # machine): passes spread over this many seconds average it out.
@@ -168,9 +168,8 @@ def data_parallel_fit(runtime: RuntimeFigures) -> tuple[float, float, float]:
     share = 2 * (runtime.processes - 1) / runtime.processes  # of the bytes, over the bus
     fixed = runtime.step_overhead_s + 2 * (runtime.processes - 1) * runtime.latency_s  # ring
     drift = blocking_fit(runtime)[1]
-    compute = runtime.data_parallel_compute_s or (0.0,) * len(DATA_PARALLEL_SHAPES)
-    small_s, large_s, many_s = (extra - drift * math.sqrt(t)
-                                for extra, t in zip(runtime.data_parallel_s, compute, strict=True))
+    small_s, large_s, many_s = (extra - drift * math.sqrt(compute)
+                                for compute, extra in runtime.data_parallel_s)
     small, large, many = (data_parallel_bytes(*shape) for shape in DATA_PARALLEL_SHAPES)
     small_t, large_t, many_t = (data_parallel_tensors(n) for _, n in DATA_PARALLEL_SHAPES)
     bandwidth, per_tensor, collective = runtime.allreduce_bandwidth, 0.0, 0.0

@@ -78,15 +78,14 @@ class RuntimeFigures:
     # Per schedule, a step of the 2-device pipeline of SCHEDULE_MICRO_BATCHES micro-batches.
     schedule_step_s: dict[str, float]
     split_backward_node_s: float  # what a split backward adds per autograd operation
-    # Per DATA_PARALLEL_SHAPES, what a data-parallel step adds to the same step without it.
-    data_parallel_s: tuple[float, ...]
+    # Per DATA_PARALLEL_SHAPES, the step without data parallelism (the median process's) and
+    # what a data-parallel step adds to it, seconds.
+    data_parallel_s: tuple[tuple[float, float], ...]
     # What selective recomputation adds per autograd operation, forward or recomputing.
     selective_node_s: float
     # Per size of the blocking probe (pipec.allreduces): the compute between two blocking
     # all-reduces and what each adds to the step, seconds (none with one process).
     blocking_s: tuple[tuple[float, float], ...]
-    # Per DATA_PARALLEL_SHAPES, the step without data parallelism (the median process's).
-    data_parallel_compute_s: tuple[float, ...] = ()
 
 
 def probe_runtime(processes: int, threads: int) -> RuntimeFigures:
@@ -96,7 +95,7 @@ def probe_runtime(processes: int, threads: int) -> RuntimeFigures:
     keep_freed_memory()
     if processes < 2:
         return RuntimeFigures(1, 0.0, 0.0, 0.0, 0.0, 0.0, {}, 0.0,
-                              (0.0,) * len(DATA_PARALLEL_SHAPES),
+                              ((0.0, 0.0),) * len(DATA_PARALLEL_SHAPES),
                               _selective_node_s(), ())
     context = mp.get_context("fork")
     results = context.Queue()
@@ -397,20 +396,18 @@ def _combine(processes: int, figures: list[dict[str, Any]]) -> RuntimeFigures:
                           {s: max(figures[0]["schedules"][s], figures[1]["schedules"][s])
                            for s in figures[0]["schedules"]},
                           statistics.median(f["split"] for f in figures),
-                          tuple(max(f["data_parallel"][i][1] for f in figures)
-                                for i in range(len(DATA_PARALLEL_SHAPES))),
+                          _compute_and_extra(figures, "data_parallel"),
                           statistics.median(f["selective"] for f in figures),
-                          _blocking(figures),
-                          tuple(statistics.median(f["data_parallel"][i][0] for f in figures)
-                                for i in range(len(DATA_PARALLEL_SHAPES))))
+                          _compute_and_extra(figures, "blocking"))
 
 
-def _blocking(figures: list[dict[str, Any]]) -> tuple[tuple[float, float], ...]:
-    """Per size of the blocking probe, the median compute over the processes and the largest
-    wait: every process waits for the slowest, so each measures about the same step."""
-    return tuple((statistics.median(f["blocking"][i][0] for f in figures),
-                  max(f["blocking"][i][1] for f in figures))
-                 for i in range(len(figures[0]["blocking"])))
+def _compute_and_extra(figures: list[dict[str, Any]], probe: str
+                       ) -> tuple[tuple[float, float], ...]:
+    """Per size of ``probe``, the median compute over the processes and the largest extra
+    time: every process waits for the slowest, so each measures about the same step."""
+    return tuple((statistics.median(f[probe][i][0] for f in figures),
+                  max(f[probe][i][1] for f in figures))
+                 for i in range(len(figures[0][probe])))
 
 
 def _fit_link(one_way: dict[int, float]) -> tuple[float, float]:

@@ -79,7 +79,7 @@ def test_several_processes_measure_the_training_runtime_too(tmp_path: Path, cach
     assert runtime["allreduce_bandwidth"] > 1e7 and runtime["step_overhead_s"] > 0
     device = plan.request.devices[0]
     assert device.intra_node_latency_s == runtime["latency_s"]
-    assert runtime["data_parallel_s"][0] > 0
+    assert min(runtime["data_parallel_s"][0]) > 0  # its step without DDP, and what DDP adds
     assert len(runtime["blocking_s"]) == 2 and runtime["blocking_s"][1][1] > 0
     assert (device.blocking_collective_s, device.blocking_drift) == \
         blocking_fit(RuntimeFigures(**runtime))

@@ -28,13 +28,15 @@ from pipec.probe import (
 )
 from pipec.schedule import SCHEDULES, simulate
 
+UNMEASURED = ((0.0, 0.0),) * len(DATA_PARALLEL_SHAPES)  # the data-parallel steps, not probed
+
 
 def test_one_process_measures_nothing_it_cannot_use() -> None:
     """Only what one process pays by itself: selective recomputation's policy, about 11 µs per
     operation and pass here (an operation's own time is a few µs: far below a millisecond)."""
     figures = probe_runtime(1, 1)
     assert replace(figures, selective_node_s=0.0) == RuntimeFigures(
-        1, 0.0, 0.0, 0.0, 0.0, 0.0, {}, 0.0, (0.0, 0.0, 0.0), 0.0, ())
+        1, 0.0, 0.0, 0.0, 0.0, 0.0, {}, 0.0, UNMEASURED, 0.0, ())
     assert 1e-7 < figures.selective_node_s < 1e-3
     assert side_by_side(lambda: None, 1) == 1.0
 
@@ -87,8 +89,9 @@ def test_four_processes_on_this_machine() -> None:
     assert 0 < figures.split_backward_node_s < 1e-3
     # Data parallelism adds to a step, more with more gradient bytes (4 MiB against 16 KiB)
     # and more with more gradient tensors (96 against 8, the same bytes about).
-    small, large, many = figures.data_parallel_s
+    (small_s, small), (large_s, large), (many_s, many) = figures.data_parallel_s
     assert 0 < small < large and small < many
+    assert 0 < small_s < min(large_s, many_s)  # the steps without DDP: more layers, more time
     # An all-reduce blocking a pass adds to it (16² against 64² images: 0.5 and 5 ms of compute
     # between two here). More after more compute on 2 processes, but 4 sharing 2 cores put the
     # two either way round (8.1 against 7.7 ms once): blocking_fit then fits no growth.
@@ -102,7 +105,7 @@ def test_the_blocking_fit_goes_through_both_measured_points() -> None:
         return 1e-3 + 0.02 * math.sqrt(compute_s)
 
     blocking = ((1e-3, extra(1e-3)), (16e-3, extra(16e-3)))
-    runtime = RuntimeFigures(2, 0.0, 1e30, 0.0, 1e9, 0.0, {}, 0.0, (0.0,) * 3, 0.0, blocking)
+    runtime = RuntimeFigures(2, 0.0, 1e30, 0.0, 1e9, 0.0, {}, 0.0, UNMEASURED, 0.0, blocking)
     assert blocking_fit(runtime) == pytest.approx((1e-3, 0.02))
     # Nothing measured (one process), or less after more compute (noise): no drift.
     assert blocking_fit(replace(runtime, blocking_s=())) == (0.0, 0.0)
@@ -128,8 +131,8 @@ def test_the_data_parallel_fit_reproduces_the_three_measured_steps() -> None:
 
     blocking = ((1e-3, 1e-3 + 0.02 * math.sqrt(1e-3)), (16e-3, 1e-3 + 0.02 * math.sqrt(16e-3)))
     runtime = RuntimeFigures(4, 100e-6, 1e30, 0.0, 5e9, 0.3e-3, {}, 0.0,
-                             tuple(map(added, nbytes, tensors, compute)), 0.0, blocking,
-                             compute)
+                             tuple(zip(compute, map(added, nbytes, tensors, compute),
+                                       strict=True)), 0.0, blocking)
     collective, bandwidth, per_tensor = data_parallel_fit(runtime)
     # The bandwidth is the step's, not the probe's lone all-reduce's 5 GB/s.
     assert collective == pytest.approx(0.5e-3) and bandwidth == pytest.approx(1e9)
@@ -143,14 +146,14 @@ def test_the_data_parallel_fit_reproduces_the_three_measured_steps() -> None:
     # Steps that do not grow with the bytes or the tensors (noise), no drift: the all-reduce's
     # own bandwidth, next to nothing per tensor (the many tensors' 3 KiB fewer bytes).
     flat = data_parallel_fit(replace(runtime, blocking_s=(),
-                                     data_parallel_s=(added(nbytes[0], 8, 0.0),) * 3))
+                                     data_parallel_s=((0.0, added(nbytes[0], 8, 0.0)),) * 3))
     assert flat[1] == 5e9 and flat[2] < 1e-7
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_the_per_action_fit_reproduces_the_measured_step(schedule: str) -> None:
     link = 150e-6
-    runtime = RuntimeFigures(2, link, 1e30, 50e-6, 1e9, 1e-4, {schedule: 0.03}, 0.0, (0.0, 0.0),
+    runtime = RuntimeFigures(2, link, 1e30, 50e-6, 1e9, 1e-4, {schedule: 0.03}, 0.0, UNMEASURED,
                              0.0, ())
     ((name, action),) = schedule_action_s(runtime)
     assert name == schedule and action > 0
@@ -165,4 +168,4 @@ def test_the_per_action_fit_reproduces_the_measured_step(schedule: str) -> None:
     assert step == pytest.approx(0.03, rel=1e-6)
     # A step the links alone explain leaves nothing to the runtime.
     assert schedule_action_s(RuntimeFigures(2, link, 1e30, 0.0, 1e9, 0.0, {schedule: 1e-6}, 0.0,
-                                            (0.0, 0.0), 0.0, ())) == ((schedule, 0.0),)
+                                            UNMEASURED, 0.0, ())) == ((schedule, 0.0),)

@@ -310,8 +310,6 @@ def _collectives_s(costs: Costs, e: Evaluated, position: int,
     all-reduces, as an all-reduce in a pass waits for it (Device.blocking_drift · √T; FSDP's
     collectives, several a micro-batch, are not charged one: not measured)."""
     layout = e.layout
-    if layout.dp == 1:
-        return 0.0
     link = min(costs.devices(layout, position), key=allreduce_bandwidth)
     per_node = costs.request.gpus // costs.request.nodes
     inter_node = spans_nodes(position, layout.pp, layout.dp, per_node, layout.replicas_inner)
