@@ -12,11 +12,21 @@ PIPEC = [sys.executable, "-m", "pipec.cli"]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 
 
-def run(command: list[str], cwd: Path | None = None) -> str:
-    """Run ``command``; its standard output, or exit with everything it printed."""
+def run(command: list[str], cwd: Path | None = None, attempts: int = 1) -> str:
+    """Run ``command``; its standard output, or exit with everything it printed. With
+    ``attempts`` > 1, a failure is reported and the command run again, up to that many times
+    in all: one launch out of hundreds failing must not end an hour's benchmark (a long-lm
+    plan's torchrun once finished its steps and then aborted at exit: "terminate called
+    without an active exception")."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True,
-                            check=False)
-    if result.returncode:
-        raise SystemExit(f"{' '.join(command)} failed:\n{result.stdout}\n{result.stderr}")
-    return result.stdout
+    for attempt in range(1, attempts + 1):
+        result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True,
+                                check=False)
+        if not result.returncode:
+            return result.stdout
+        failure = f"{' '.join(command)} failed:\n{result.stdout}\n{result.stderr}"
+        if attempt == attempts:
+            raise SystemExit(failure)
+        print(f"{failure}\n(attempt {attempt} of {attempts}: running it again)",
+              file=sys.stderr, flush=True)
+    raise AssertionError("unreachable: attempts < 1")

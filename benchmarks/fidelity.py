@@ -164,9 +164,12 @@ def _point(c: dict[str, Any]) -> tuple[Any, ...]:
 
 
 def train(entry: Entry, processes: int, steps: int) -> float:
-    """The mean time of the timed steps (train.py --metrics), at least ``steps`` run."""
+    """The mean time of the timed steps (train.py --metrics), at least ``steps`` run; a launch
+    that fails is run once more (commands.run), never read from an earlier launch's file."""
+    (entry.out / "metrics.json").unlink(missing_ok=True)
     run([str(TORCHRUN), "--standalone", "--nproc_per_node", str(processes), "train.py",
-         "--steps", str(steps_for(entry, steps)), "--metrics", "metrics.json"], cwd=entry.out)
+         "--steps", str(steps_for(entry, steps)), "--metrics", "metrics.json"], cwd=entry.out,
+        attempts=2)
     return float(json.loads((entry.out / "metrics.json").read_text())["step_s"])
 
 
