@@ -304,24 +304,27 @@ def _unsynchronized_s(e: Evaluated, position: int, spans: list[tuple[int, int]],
 def _collectives_s(costs: Costs, e: Evaluated, position: int,
                    spans: list[tuple[int, int]], compute_s: float) -> float:
     """One position's collectives, each also paying the wait a collective after compute has
-    (Device.step_collective_s, measured within a node); under DDP, also its work per gradient
-    tensor (Device.gradient_tensor_s, the host's, wherever the replicas are), and the lead
-    one replica takes on the other over the step's ``compute_s`` since the last step's
-    all-reduces, as an all-reduce in a pass waits for it (Device.blocking_drift · √T; FSDP's
-    collectives, several a micro-batch, are not charged one: not measured)."""
+    (Device.step_collective_s, measured within a node), the data-parallel runtime's work per
+    gradient tensor (Device.gradient_tensor_s, the host's, wherever the replicas are) and the
+    lead one replica takes on the other over the step's ``compute_s`` since the last step's
+    collectives, as an all-reduce in a pass waits for it (Device.blocking_drift · √T). Both
+    are measured with DDP; FSDP2 pays them too (its hooks copy each parameter in and out, and
+    its replicas meet at its collectives as DDP's do). Until the ninth session FSDP paid
+    neither: zero2 then looked 17 % faster than DDP for the GPT sample on 4 processes and
+    measured 1.48 × slower (docs/fidelity.md)."""
     layout = e.layout
     link = min(costs.devices(layout, position), key=allreduce_bandwidth)
     per_node = costs.request.gpus // costs.request.nodes
     inter_node = spans_nodes(position, layout.pp, layout.dp, per_node, layout.replicas_inner)
     wait = 0.0 if inter_node else link.step_collective_s
     lead = 0.0 if inter_node else link.blocking_drift * math.sqrt(compute_s)
+    tensors = sum(float(costs.param_tensors[a:b].sum()) for a, b in spans)
+    runtime = tensors * link.gradient_tensor_s + lead
     if layout.fsdp in SHARDED:
         weights = sum(float(costs.weight_bytes[a:b].sum()) for a, b in spans)
         return (collectives_s(layout.fsdp, weights, e.num_micro_batches, layout.dp, link,
                               inter_node)
-                + collective_count(layout.fsdp, e.num_micro_batches) * wait)
+                + collective_count(layout.fsdp, e.num_micro_batches) * wait + runtime)
     grad_bytes = sum(float(costs.param_bytes[a:b].sum()) for a, b in spans)
-    tensors = sum(float(costs.param_tensors[a:b].sum()) for a, b in spans)
     return (allreduce_s(grad_bytes, layout.dp, link, inter_node)
-            + data_parallel_collectives(grad_bytes) * wait + tensors * link.gradient_tensor_s
-            + lead)
+            + data_parallel_collectives(grad_bytes) * wait + runtime)
