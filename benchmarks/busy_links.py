@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
 import socket
 import statistics
 import time
@@ -35,6 +36,7 @@ from torch.distributed import pipelining
 
 SCHEDULES = ("ScheduleGPipe", "Schedule1F1B")
 STEPS, WARM_UP = 12, 2
+TIMEOUT_S = 600
 
 
 def main() -> None:
@@ -47,14 +49,21 @@ def main() -> None:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     context = mp.get_context("fork")
-    results = context.SimpleQueue()
+    results = context.Queue()
     workers = [context.Process(target=_worker, args=(rank, port, args, results))
                for rank in (0, 1)]
     for worker in workers:
         worker.start()
-    for worker in workers:
-        worker.join()
-    _report(results.get(), args)
+    try:
+        figures = results.get(timeout=TIMEOUT_S)  # a worker that died answers never
+    except queue.Empty:
+        raise SystemExit(f"the workers did not answer in {TIMEOUT_S} s") from None
+    finally:
+        for worker in workers:
+            worker.join(timeout=5)
+            if worker.is_alive():
+                worker.terminate()
+    _report(figures, args)
 
 
 class _Hold(torch.autograd.Function):

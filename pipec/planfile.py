@@ -47,9 +47,9 @@ def plan_dict(plan: Plan, norms: NormPlan, traced: Traced) -> dict[str, Any]:
                 "per_action": action_s(request.devices, plan.schedule),
                 "per_step": max(d.step_overhead_s for d in request.devices)},
             # Inside step_terms' all_reduce term, as measured within a node (0: not): each
-            # all-reduce's wait after compute, and DDP's work per gradient tensor (with the
-            # ring's latency and bytes and, under DDP, the replicas' lead: blocking_all_reduce's
-            # drift × √ of the step's compute).
+            # collective's wait after compute, and the work per gradient tensor (with the
+            # ring's latency and bytes and the replicas' lead: blocking_all_reduce's drift × √
+            # of the step's compute), under DDP and FSDP alike.
             "data_parallel": {
                 "wait_per_all_reduce_s": max(d.step_collective_s for d in request.devices),
                 "per_gradient_tensor_s": max(d.gradient_tensor_s for d in request.devices)},

@@ -91,7 +91,7 @@ def test_four_processes_on_this_machine() -> None:
     # and more with more gradient tensors (96 against 8, the same bytes about).
     (small_s, small), (large_s, large), (many_s, many) = figures.data_parallel_s
     assert 0 < small < large and small < many
-    assert 0 < small_s < min(large_s, many_s)  # the steps without DDP: more layers, more time
+    assert 0 < small_s < min(large_s, many_s)  # without DDP: wider or more layers, more time
     # An all-reduce blocking a pass adds to it (16² against 64² images: 0.5 and 5 ms of compute
     # between two here). More after more compute on 2 processes, but 4 sharing 2 cores put the
     # two either way round (8.1 against 7.7 ms once): blocking_fit then fits no growth.

@@ -304,14 +304,14 @@ def _unsynchronized_s(e: Evaluated, position: int, spans: list[tuple[int, int]],
 def _collectives_s(costs: Costs, e: Evaluated, position: int,
                    spans: list[tuple[int, int]], compute_s: float) -> float:
     """One position's collectives, each also paying the wait a collective after compute has
-    (Device.step_collective_s, measured within a node), the data-parallel runtime's work per
-    gradient tensor (Device.gradient_tensor_s, the host's, wherever the replicas are) and the
-    lead one replica takes on the other over the step's ``compute_s`` since the last step's
-    collectives, as an all-reduce in a pass waits for it (Device.blocking_drift · √T). Both
-    are measured with DDP; FSDP2 pays them too (its hooks copy each parameter in and out, and
-    its replicas meet at its collectives as DDP's do). Until the ninth session FSDP paid
-    neither: zero2 then looked 17 % faster than DDP for the GPT sample on 4 processes and
-    measured 1.48 × slower (docs/fidelity.md)."""
+    (Device.step_collective_s, measured within a node), and once a step the data-parallel
+    runtime's work per gradient tensor (Device.gradient_tensor_s, the host's, wherever the
+    replicas are) and the lead one replica takes on the other over the step's ``compute_s``
+    since the last step's collectives, as an all-reduce in a pass waits for it
+    (Device.blocking_drift · √T). Both are measured with DDP; FSDP2 pays them too (its hooks
+    copy each parameter in and out, and its replicas meet at its collectives as DDP's do).
+    Until the ninth session FSDP paid neither: zero2 then looked 17 % faster than DDP for the
+    GPT sample on 4 processes and measured 1.48 × slower (docs/fidelity.md)."""
     layout = e.layout
     link = min(costs.devices(layout, position), key=allreduce_bandwidth)
     per_node = costs.request.gpus // costs.request.nodes
