@@ -18,6 +18,8 @@ def run(command: list[str], cwd: Path | None = None, attempts: int = 1) -> str:
     in all: one launch out of hundreds failing must not end an hour's benchmark (a long-lm
     plan's torchrun once finished its steps and then aborted at exit: "terminate called
     without an active exception")."""
+    if attempts < 1:
+        raise ValueError(f"attempts={attempts}: run at least once")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for attempt in range(1, attempts + 1):
         result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True,
@@ -29,4 +31,4 @@ def run(command: list[str], cwd: Path | None = None, attempts: int = 1) -> str:
             raise SystemExit(failure)
         print(f"{failure}\n(attempt {attempt} of {attempts}: running it again)",
               file=sys.stderr, flush=True)
-    raise AssertionError("unreachable: attempts < 1")
+    raise AssertionError("unreachable: the last attempt returns or exits")

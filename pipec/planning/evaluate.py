@@ -319,12 +319,12 @@ def _collectives_s(costs: Costs, e: Evaluated, position: int,
     wait = 0.0 if inter_node else link.step_collective_s
     lead = 0.0 if inter_node else link.blocking_drift * math.sqrt(compute_s)
     tensors = sum(float(costs.param_tensors[a:b].sum()) for a, b in spans)
-    runtime = tensors * link.gradient_tensor_s + lead
+    once_a_step = tensors * link.gradient_tensor_s + lead
     if layout.fsdp in SHARDED:
         weights = sum(float(costs.weight_bytes[a:b].sum()) for a, b in spans)
         return (collectives_s(layout.fsdp, weights, e.num_micro_batches, layout.dp, link,
                               inter_node)
-                + collective_count(layout.fsdp, e.num_micro_batches) * wait + runtime)
+                + collective_count(layout.fsdp, e.num_micro_batches) * wait + once_a_step)
     grad_bytes = sum(float(costs.param_bytes[a:b].sum()) for a, b in spans)
     return (allreduce_s(grad_bytes, layout.dp, link, inter_node)
-            + data_parallel_collectives(grad_bytes) * wait + runtime)
+            + data_parallel_collectives(grad_bytes) * wait + once_a_step)
