@@ -25,20 +25,19 @@ from pathlib import Path
 
 import torch
 
-from pipec.actions import SCHEDULE_MICRO_BATCHES
 from pipec.allreduces import DATA_PARALLEL_SHAPES, data_parallel_bytes, data_parallel_tensors
 from pipec.calibrate import PROFILE_SIZES, profile_model
 from pipec.calibrationfile import load_calibration, save_calibration
 from pipec.costmodel import Calibration, data_parallel_collectives
 from pipec.errors import ConfigError, PipecError
 from pipec.hardware import Device
-from pipec.probe import RuntimeFigures, probe_runtime
+from pipec.probe import SCHEDULE_MICRO_BATCHES, RuntimeFigures, probe_runtime
 from pipec.schedule import ZERO_BUBBLE, simulate, stage_device
 
 log = logging.getLogger(__name__)
 
 MEASURE_CHOICES = ("auto", "off")
-CACHE_VERSION = 9  # bump when what is measured, or how, changes
+CACHE_VERSION = 8  # bump when what is measured, or how, changes
 REPEATS = 10  # passes per micro-batch size, as pipec profile's default, at least
 # This machine's speed drifts by ±15 % from one 2-second window to the next (a shared virtual
 # machine): passes spread over this many seconds average it out.
@@ -201,12 +200,10 @@ def blocking_fit(runtime: RuntimeFigures) -> tuple[float, float]:
 
 def schedule_action_s(runtime: RuntimeFigures) -> tuple[tuple[str, float], ...]:
     """Per schedule, the runtime's time per action that makes the simulator reproduce the
-    measured step of the probe's 2-device pipeline (pipec.probe): each action computes the
-    probe's work and, where it carries a boundary, also waits for the link, as the model
-    charges it."""
+    measured step of the probe's 2-device pipeline (pipec.probe): each action that carries a
+    boundary also waits for the link, as the model charges it."""
     link = runtime.latency_s + 16 / runtime.bandwidth  # a micro-batch of 4 fp32 values
-    work = runtime.schedule_work_s
-    return tuple((schedule, _fitted_action_s(schedule, step, link, work.get(schedule, 0.0)))
+    return tuple((schedule, _fitted_action_s(schedule, step, link))
                  for schedule, step in sorted(runtime.schedule_step_s.items()))
 
 
@@ -217,31 +214,28 @@ def probe_cuts(schedule: str, stages: int, link_s: float) -> list[float]:
             != stage_device(schedule, k + 1, 2) else 0.0 for k in range(stages)]
 
 
-def probe_step_s(schedule: str, action_s: float, link_s: float, work_s: float) -> float:
-    """The simulated step of the probe's pipeline: per stage and action ``work_s`` of compute
-    and ``action_s`` of the runtime's, plus the link where the action's output crosses one."""
+def _fitted_action_s(schedule: str, step_s: float, link_s: float) -> float:
+    """The per-action time at which the simulated step equals ``step_s`` (bisection: the step
+    grows with it); 0 where the links alone explain the step."""
     stages = 2 if schedule in ("gpipe", "1f1b") else 4
     cuts = probe_cuts(schedule, stages, link_s)
-    forward = [work_s + action_s + c for c in cuts]
-    if schedule not in ZERO_BUBBLE:
-        return simulate(schedule, forward, forward, SCHEDULE_MICRO_BATCHES, 2,
-                        timeline=False).iteration_s
-    # Its input's gradient and its weights' are two actions; the work is the input's.
-    return simulate(schedule, forward, [work_s + 2 * action_s + c for c in cuts],
-                    SCHEDULE_MICRO_BATCHES, 2, timeline=False,
-                    weight_s=[action_s] * stages).iteration_s
 
+    def simulated(action: float) -> float:
+        forward = [action + c for c in cuts]
+        if schedule not in ZERO_BUBBLE:
+            return simulate(schedule, forward, forward, SCHEDULE_MICRO_BATCHES, 2,
+                            timeline=False).iteration_s
+        # Its input's gradient and its weights' are two actions.
+        return simulate(schedule, forward, [2 * action + c for c in cuts],
+                        SCHEDULE_MICRO_BATCHES, 2, timeline=False,
+                        weight_s=[action] * stages).iteration_s
 
-def _fitted_action_s(schedule: str, step_s: float, link_s: float, work_s: float) -> float:
-    """The per-action time at which the simulated step equals ``step_s`` (bisection: the step
-    grows with it); 0 where the work and the links alone explain the step."""
     low, high = 0.0, step_s
-    if probe_step_s(schedule, low, link_s, work_s) >= step_s:
+    if simulated(low) >= step_s:
         return 0.0
     for _ in range(40):
         middle = (low + high) / 2
-        below = probe_step_s(schedule, middle, link_s, work_s) < step_s
-        low, high = (middle, high) if below else (low, middle)
+        low, high = (middle, high) if simulated(middle) < step_s else (low, middle)
     return low
 
 
