@@ -25,13 +25,14 @@ from pathlib import Path
 
 import torch
 
+from pipec.actions import SCHEDULE_MICRO_BATCHES
 from pipec.allreduces import DATA_PARALLEL_SHAPES, data_parallel_bytes, data_parallel_tensors
 from pipec.calibrate import PROFILE_SIZES, profile_model
 from pipec.calibrationfile import load_calibration, save_calibration
 from pipec.costmodel import Calibration, data_parallel_collectives
 from pipec.errors import ConfigError, PipecError
 from pipec.hardware import Device
-from pipec.probe import SCHEDULE_MICRO_BATCHES, RuntimeFigures, probe_runtime
+from pipec.probe import RuntimeFigures, probe_runtime
 from pipec.schedule import ZERO_BUBBLE, simulate, stage_device
 
 log = logging.getLogger(__name__)

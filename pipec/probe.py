@@ -1,7 +1,8 @@
 """The training runtime on this machine's CPU processes: what a roofline cannot know, measured
 with as many processes as the training will run on this machine (pipec.measured caches it).
 `side_by_side` measures how much slower a model's pass runs, in the slowest process, when every
-process computes at once.
+process computes at once. The pipelining runtime's probes are in pipec.actions, the
+all-reduces' in pipec.allreduces.
 
 - **links**: blocking send/recv between two processes (gloo) at four sizes, fitted as
   latency + bytes / bandwidth (least squares on relative errors);
@@ -29,7 +30,6 @@ process computes at once.
 from __future__ import annotations
 
 import datetime
-import functools
 import logging
 import math
 import os
@@ -46,8 +46,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch import nn
 
+from pipec.actions import (
+    action_overhead_s,
+    schedule_steps,
+    selective_node_s,
+    split_backward_node_s,
+)
 from pipec.allreduces import (
     ALLREDUCE_BYTES,
     DATA_PARALLEL_SHAPES,
@@ -57,13 +62,11 @@ from pipec.allreduces import (
     step_s,
 )
 from pipec.heap import keep_freed_memory
-from pipec.timers import mean_s, median_s, span_s
+from pipec.timers import mean_s, span_s
 
 log = logging.getLogger(__name__)
 
 LINK_SIZES = (4, 64 * 1024, 1024 * 1024, 4 * 1024 * 1024)
-MICRO_BATCHES = 16
-SCHEDULE_MICRO_BATCHES = 8
 TIMEOUT_S = 120  # a worker that fails or is killed must not hang the compile
 
 
@@ -96,7 +99,7 @@ def probe_runtime(processes: int, threads: int) -> RuntimeFigures:
     if processes < 2:
         return RuntimeFigures(1, 0.0, 0.0, 0.0, 0.0, 0.0, {}, 0.0,
                               ((0.0, 0.0),) * len(DATA_PARALLEL_SHAPES),
-                              _selective_node_s(), ())
+                              selective_node_s(), ())
     context = mp.get_context("fork")
     results = context.Queue()
     port = _free_port()
@@ -133,8 +136,8 @@ def _worker(rank: int, world: int, port: int, threads: int, results: Any) -> Non
         dist.init_process_group("gloo", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=TIMEOUT_S))
         figures = {"links": _links(rank),
-                   "action": _action_overhead(rank), "schedules": _schedule_steps(rank),
-                   "split": _split_backward_node_s(), "selective": _selective_node_s(),
+                   "action": action_overhead_s(rank), "schedules": schedule_steps(rank),
+                   "split": split_backward_node_s(), "selective": selective_node_s(),
                    "allreduce": allreduce_s(), "step": step_s(),
                    "data_parallel": [data_parallel_s(*shape) for shape in DATA_PARALLEL_SHAPES],
                    "blocking": blocking_s()}
@@ -241,149 +244,6 @@ def _links(rank: int) -> dict[int, float]:
             trips.append(time.perf_counter() - started)
         one_way[size] = statistics.median(trips[2:]) / 2
     return one_way
-
-
-def _action_overhead(rank: int) -> float:
-    """The pipelining runtime's own seconds per action, on ranks 0 and 1 (others: nan)."""
-    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
-
-    group = dist.new_group([0, 1])
-    if rank > 1:
-        return float("nan")
-    torch.manual_seed(0)
-    layer = nn.Linear(4, 4)
-    stage = PipelineStage(layer, rank, 2, torch.device("cpu"), group=group)
-    schedule = ScheduleGPipe(stage, MICRO_BATCHES, loss_fn=lambda out, target: out.sum())
-    busy = [0.0]
-    for name in ("forward_one_chunk", "backward_one_chunk"):
-        setattr(stage, name, _timed(getattr(stage, name), busy))
-    inputs = torch.ones(MICRO_BATCHES, 4)
-    for step in range(6):
-        busy[0] = 0.0 if step == 1 else busy[0]  # the first step warms up
-        schedule.step(*((inputs,) if rank == 0 else ()),
-                      target=inputs if rank == 1 else None)
-    per_action = busy[0] / (5 * 2 * MICRO_BATCHES)
-    return max(per_action - _plain_action_s(layer), 0.0)
-
-
-def _schedule_steps(rank: int) -> dict[str, float]:
-    """Per schedule, the median step of a 4-wide linear layer per stage on ranks 0 and 1
-    (others: empty), stages placed as the schedule places them."""
-    from pipec.schedule import SCHEDULES, stage_device
-
-    group = dist.new_group([0, 1])
-    if rank > 1:
-        return {}
-    return {schedule: _pipeline_step_s(schedule, rank, group, stage_device)
-            for schedule in SCHEDULES}
-
-
-def _pipeline_step_s(schedule: str, rank: int, group: Any,
-                     stage_device: Callable[[str, int, int], int]) -> float:
-    from torch.distributed import pipelining
-
-    from pipec.schedule import SCHEDULE_CLASSES
-
-    virtual = 1 if schedule in ("gpipe", "1f1b") else 2
-    indices = [k for k in range(2 * virtual) if stage_device(schedule, k, 2) == rank]
-    torch.manual_seed(0)
-    stages = [pipelining.PipelineStage(nn.Linear(4, 4), k, 2 * virtual, torch.device("cpu"),
-                                       group=group) for k in indices]
-    runner = getattr(pipelining, SCHEDULE_CLASSES[schedule])(
-        stages if virtual > 1 else stages[0], SCHEDULE_MICRO_BATCHES,
-        loss_fn=lambda out, target: out.sum())
-    inputs = torch.ones(SCHEDULE_MICRO_BATCHES, 4)
-    last = stage_device(schedule, 2 * virtual - 1, 2) == rank
-
-    def step() -> None:
-        dist.barrier(group=group)
-        runner.step(*((inputs,) if rank == 0 else ()), target=inputs if last else None)
-
-    return median_s(step, 12)
-
-
-def _split_backward_node_s() -> float:
-    """Seconds per autograd operation that splitting a backward into the input's and the
-    weights' gradients adds (torch's own functions, as the zero-bubble schedules call them)."""
-    from torch.distributed.pipelining import _backward
-
-    from pipec.measure import autograd_nodes
-
-    torch.manual_seed(0)
-    model = nn.Sequential(*(layer for _ in range(16) for layer in (nn.Linear(16, 16), nn.ReLU())))
-
-    def backward(split: bool) -> Callable[[], None]:
-        def run() -> None:
-            x = torch.ones(8, 16, requires_grad=True)
-            out = model(x)
-            if split:
-                _, groups = _backward.stage_backward_input([out], [torch.ones_like(out)], [x],
-                                                           model.parameters())
-                _backward.stage_backward_weight(model.parameters(), groups)
-            else:
-                _backward.stage_backward([out], [torch.ones_like(out)], [x])
-        return run
-
-    extra = median_s(backward(True), 20) - median_s(backward(False), 20)
-    nodes = autograd_nodes(model(torch.ones(8, 16, requires_grad=True)))
-    return max(extra, 0.0) / nodes
-
-
-def _selective_node_s() -> float:
-    """Seconds per autograd operation that selective recomputation adds, each time it runs
-    (forward, then recomputing): its dispatch mode sees every operation in Python. A chain of
-    cheap operations it keeps none of, checkpointed selectively and in full: the same
-    operations run, twice each."""
-    from torch.utils.checkpoint import (
-        CheckpointPolicy,
-        checkpoint,
-        create_selective_checkpoint_contexts,
-    )
-
-    from pipec.measure import autograd_nodes
-
-    def chain(x: torch.Tensor) -> torch.Tensor:
-        for _ in range(32):
-            x = torch.tanh(x) * 1.01
-        return x
-
-    def recompute(*_: Any, **__: Any) -> CheckpointPolicy:
-        return CheckpointPolicy.PREFER_RECOMPUTE
-
-    def run(selective: bool) -> Callable[[], None]:
-        context = functools.partial(create_selective_checkpoint_contexts, recompute)
-
-        def step() -> None:
-            x = torch.ones(8, 16, requires_grad=True)
-            if selective:
-                out = checkpoint(chain, x, use_reentrant=False, context_fn=context)
-            else:
-                out = checkpoint(chain, x, use_reentrant=False)
-            out.sum().backward()
-        return step
-
-    extra = median_s(run(True), 20) - median_s(run(False), 20)
-    nodes = autograd_nodes(chain(torch.ones(8, 16, requires_grad=True)))
-    return max(extra, 0.0) / (2 * nodes)
-
-
-def _timed(method: Callable[..., Any], busy: list[float]) -> Callable[..., Any]:
-    def call(*args: Any, **kwargs: Any) -> Any:
-        started = time.perf_counter()
-        result = method(*args, **kwargs)
-        busy[0] += time.perf_counter() - started
-        return result
-    return call
-
-
-def _plain_action_s(layer: nn.Module) -> float:
-    """The layer's own forward and backward of one micro-batch, per action."""
-    x = torch.ones(1, 4, requires_grad=True)
-
-    def forward_backward() -> None:
-        layer(x).sum().backward()
-
-    return median_s(forward_backward, 50) / 2
 
 
 def _combine(processes: int, figures: list[dict[str, Any]]) -> RuntimeFigures:

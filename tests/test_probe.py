@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from pipec.actions import SCHEDULE_MICRO_BATCHES
 from pipec.allreduces import DATA_PARALLEL_SHAPES, data_parallel_bytes, data_parallel_tensors
 from pipec.costmodel import allreduce_s, data_parallel_collectives
 from pipec.hardware import PRESETS
@@ -20,7 +21,6 @@ from pipec.measured import (
     schedule_action_s,
 )
 from pipec.probe import (
-    SCHEDULE_MICRO_BATCHES,
     RuntimeFigures,
     _fit_link,
     probe_runtime,
