@@ -21,10 +21,10 @@ from pipec.schedule import ZERO_BUBBLE
 # margin keeps the larger of the last two runs. Before: 3.6 % and 6.7 % (sixth session), 3.8 % and
 # 6.8 % (fifth); counted against every plan's median, its own included (a case's middle plan then
 # counts 0), 3.5 % and 6.3 % in the fourth, 5.3 % and 8.8 % before, 6.3 % and 13.1 % before
-# processes sharing cores were modelled, 9 % and 16 % before the per-schedule runtime and data-
-# parallel terms. A preset's roofline knows neither the kernels' real speed nor their overheads,
-# and was not measured apart: it keeps 13 %, about the measured runs' 75th percentiles (11.1 % to
-# 14.7 % in the last three).
+# processes sharing cores were modelled, 9 % and 16 % before the per-schedule runtime and
+# data-parallel terms. A preset's roofline knows neither the kernels' real speed nor their
+# overheads, and was not measured apart: it keeps 13 %, about the measured runs' 75th percentiles
+# (11.1 % to 14.7 % in the last three).
 MEASURED_MARGIN = 0.099
 ROOFLINE_MARGIN = 0.13
 
