@@ -48,10 +48,12 @@ def schedule_steps(rank: int) -> dict[str, float]:
     from pipec.schedule import SCHEDULES, stage_device
 
     group = dist.new_group([0, 1])
-    if rank > 1:
-        return {}
-    return {schedule: _pipeline_step_s(schedule, rank, group, stage_device)
-            for schedule in SCHEDULES}
+    steps = {} if rank > 1 else {schedule: _pipeline_step_s(schedule, rank, group, stage_device)
+                                 for schedule in SCHEDULES}
+    # The other ranks wait here, holding no core: their next probes, computing beside these
+    # steps, once made GPipe's (timed first) 24.7 ms with 4 processes, 15.7 ms without.
+    dist.barrier()
+    return steps
 
 
 def _pipeline_step_s(schedule: str, rank: int, group: Any,
