@@ -51,6 +51,8 @@ from commands import PIPEC, ROOT, TORCHRUN, run
 from paired import baseline_verdicts, regret_threshold, regret_verdict, worst
 from tabulate import tabulate
 
+from pipec.critical import mean_breakdown
+
 BASELINES = ("uniform", "parameters", "torchgpipe", "conventional")
 TARGET_ERROR, TARGET_REGRET = 0.20, 0.03
 TIMED_S = 1.0  # each launch times about this long at least (from the predicted step)
@@ -90,6 +92,8 @@ class Entry:
     plan: dict[str, Any]
     measured_s: list[float] = field(default_factory=list)
     paired: list[float] = field(default_factory=list)  # its step ÷ the pick's, launched in turn
+    # Per launch, the mean critical path of its timed steps (pipec.critical), seconds.
+    paths: list[dict[str, float]] = field(default_factory=list)
 
     @property
     def relative(self) -> float:
@@ -170,7 +174,11 @@ def train(entry: Entry, processes: int, steps: int) -> float:
     run([str(TORCHRUN), "--standalone", "--nproc_per_node", str(processes), "train.py",
          "--steps", str(steps_for(entry, steps)), "--metrics", "metrics.json"], cwd=entry.out,
         attempts=2)
-    return float(json.loads((entry.out / "metrics.json").read_text())["step_s"])
+    metrics = json.loads((entry.out / "metrics.json").read_text())
+    path = mean_breakdown(metrics.get("timelines", []), len(entry.plan["stages"]))
+    if path is not None:
+        entry.paths.append({**path.parts(), "hops": path.hops})
+    return float(metrics["step_s"])
 
 
 def steps_for(entry: Entry, steps: int) -> int:
@@ -241,17 +249,33 @@ def summary(case: Case, entries: list[Entry]) -> dict[str, Any]:
         "contention": (pick.plan["predicted"].get("shared_cores") or {}).get("contention"),
         "plans": [{"roles": e.roles, "plan": e.label(), "predicted_s": e.predicted_s,
                    "measured_s": e.measured_s, "paired": e.paired,
-                   "step_terms": e.plan["predicted"].get("step_terms", {})} for e in entries],
+                   "step_terms": e.plan["predicted"].get("step_terms", {}),
+                   "critical_path": _mean_path(e)} for e in entries],
     }
+
+
+def _mean_path(e: Entry) -> dict[str, float]:
+    """The launches' mean critical path, part by part (empty without timelines)."""
+    return {part: statistics.mean(p[part] for p in e.paths) for part in e.paths[0]} \
+        if e.paths else {}
 
 
 def table(entries: list[Entry]) -> str:
     rows = [(", ".join(e.roles), e.label(), f"{e.predicted_s * 1e3:.1f}",
-             f"{e.step_s * 1e3:.1f}", f"{e.step_s / e.predicted_s - 1:+.1%}",
+             f"{e.step_s * 1e3:.1f}", f"{e.step_s / e.predicted_s - 1:+.1%}", _waits(e),
              f"{e.relative:.3f}", _pairs(e)) for e in entries]
     return tabulate(rows, ("plan of", "pp×dp, micro-batch, schedule", "predicted ms",
-                           "measured ms", "error", "÷ pipec's step", "pairs: range"),
-                    tablefmt="github")
+                           "measured ms", "error", "path waits ms", "÷ pipec's step",
+                           "pairs: range"), tablefmt="github")
+
+
+def _waits(e: Entry) -> str:
+    """What the critical path waited, for other devices' outputs and between its own actions
+    (pipec.critical), mean over launches."""
+    path = _mean_path(e)
+    if not path:
+        return "n/a"
+    return f"{(path['waits for inputs'] + path['between own actions']) * 1e3:.1f}"
 
 
 def _pairs(e: Entry) -> str:
@@ -332,6 +356,25 @@ def report(results: list[dict[str, Any]]) -> None:
     print(f"between plans of one model: measured ÷ predicted sits a median {spread[0]:.1%} "
           f"(75th percentile {spread[1]:.1%}) from its model's other plans' median ratio, over "
           f"{sum(len(r['plans']) for r in results)} plans (planning.choice's margin)")
+    print(path_line(results))
+
+
+def path_line(results: list[dict[str, Any]]) -> str:
+    """Where the measured steps' time went (pipec.critical), median over the pipelined plans:
+    the waits the model charges only as links and time per action."""
+    paths = [p["critical_path"] for r in results for p in r["plans"]
+             if p.get("critical_path", {}).get("hops")]
+    if not paths:
+        return "critical path: no pipelined plan's timelines recorded"
+    def share(part: str) -> float:
+        return statistics.median(p[part] / sum(v for k, v in p.items() if k != "hops")
+                                 for p in paths)
+    hop = statistics.median(p["waits for inputs"] / p["hops"] for p in paths)
+    return (f"critical path of {len(paths)} pipelined plans (median): compute "
+            f"{share('compute'):.1%} of the step, waits for inputs {share('waits for inputs'):.1%}"
+            f" ({hop * 1e3:.2f} ms a hop), between own actions "
+            f"{share('between own actions'):.1%}, after the last action "
+            f"{share('after the last action'):.1%}")
 
 
 def _outcomes(counts: Counter[str]) -> str:

@@ -11,6 +11,7 @@ from typing import Any
 
 from tabulate import tabulate
 
+from pipec.critical import Breakdown, mean_breakdown
 from pipec.errors import MetricsError
 from pipec.planfile import plan_id
 from pipec.units import mib
@@ -23,6 +24,9 @@ SPREAD = 1.3
 EXTRA_IDLE = 0.10
 # A device's measured peak memory within this fraction of the prediction holds.
 MEMORY_TOLERANCE = 0.15
+# The critical path's waits (for inputs and between its own actions) above this share of the
+# step are reported.
+WAITS = 0.10
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,9 @@ class Comparison:
     memory_terms: tuple[dict[str, float], ...] = ()
     # The steps were timed while memory was measured (a short CPU run): slower than training.
     timed_under_memory: bool = False
+    # The measured steps' critical path (pipec.critical), where metrics.json has timelines.
+    path: Breakdown | None = None
+    predicted_outside_s: float = 0.0  # plan.json's step terms: the step beyond its schedule
 
 
 def compare(out: Path, metrics_path: Path) -> Comparison:
@@ -97,7 +104,9 @@ def _compare(plan: dict[str, Any], metrics: dict[str, Any]) -> Comparison:
                             metrics["device_type"], (), plan.get("calibration") is not None,
                             tuple(plan["predicted"].get("memory_terms", ())),
                             any(r.get("time_measure", "").startswith("steps slowed")
-                                for r in metrics["ranks"]))
+                                for r in metrics["ranks"]),
+                            mean_breakdown(metrics.get("timelines", []), len(plan["stages"])),
+                            sum(plan["predicted"].get("step_terms", {}).values()))
     return Comparison(**{**comparison.__dict__, "findings": findings(comparison)})
 
 
@@ -131,6 +140,8 @@ def findings(c: Comparison) -> tuple[str, ...]:
                      f"predicted bubble of {c.predicted_bubble:.0%}; the links are slower (or "
                      "their latency higher) than the hardware preset says, or the optimizer step "
                      "and gradient all-reduce cost more")
+    if c.path is not None and c.path.input_waits_s + c.path.between_s > WAITS * c.path.step_s:
+        found.append(_waits_finding(c.path))
     for device, (p, m) in enumerate(zip(c.predicted_memory, c.measured_memory, strict=True)):
         if m is not None and abs(m / max(p, 1.0) - 1) > MEMORY_TOLERANCE:
             terms = c.memory_terms[device] if device < len(c.memory_terms) else {}
@@ -168,6 +179,15 @@ def _memory_finding(device: int, predicted: float, measured: float,
             f"({mib(sized[term])} MiB): likely {direction}" + listed)
 
 
+def _waits_finding(path: Breakdown) -> str:
+    hop = path.input_waits_s / path.hops if path.hops else 0.0
+    return (f"waits: the critical path of a step waited {_ms(path.input_waits_s)} ms for other "
+            f"devices' outputs ({path.hops} hops, {_ms(hop)} ms each) and {_ms(path.between_s)} "
+            f"ms between its own actions, {(path.input_waits_s + path.between_s) / path.step_s:.0%}"
+            " of the step: the transfers and the runtime between actions cost more than the "
+            "links and the time per action the model charges (docs/runtime.md)")
+
+
 def _speed_advice(c: Comparison) -> str:
     if c.calibrated:
         return ("the plan is already calibrated, so the device ran at another speed than when "
@@ -192,7 +212,26 @@ def render(c: Comparison) -> str:
           for d, (p, m) in enumerate(zip(c.predicted_memory, c.measured_memory, strict=True))],
     ], ("", "predicted", "measured", "measured ÷ predicted"), tablefmt="github")
     notes = "\n".join(f"- {line}" for line in c.findings)
-    return f"{table}\n\n{totals}\n\nFindings:\n{notes}\n"
+    return f"{table}\n\n{totals}\n\n{_path_table(c)}Findings:\n{notes}\n"
+
+
+def _path_table(c: Comparison) -> str:
+    """The measured critical path, part by part, against the predicted step's split between
+    its schedule and what comes after it; empty without timelines."""
+    if c.path is None:
+        return ""
+    path = c.path
+    predicted = {"after the last action": c.predicted_outside_s}
+    rows = [(part, _ms(seconds), f"{seconds / path.step_s:.1%}",
+             _ms(predicted[part]) if part in predicted else "")
+            for part, seconds in path.parts().items()]
+    rows.append(("step", _ms(path.step_s), "100.0%", _ms(c.predicted_step_s)))
+    table = tabulate(rows, ("critical path, mean of a step", "measured ms", "of the step",
+                            "predicted ms"), tablefmt="github")
+    return (f"{table}\n\nThe path: {path.actions} actions, {path.hops} waits for another "
+            "device's output; predicted, the schedule takes "
+            f"{_ms(c.predicted_step_s - c.predicted_outside_s)} ms and the step's all-reduce, "
+            "optimizer, data and runtime terms the rest.\n\n")
 
 
 def _ms(seconds: float) -> str:

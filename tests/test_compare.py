@@ -11,6 +11,7 @@ import pytest
 from conftest import SAMPLES, compile_to, run_forked
 from pipec.cli import main
 from pipec.compare import Comparison, StageComparison, compare, findings, render
+from pipec.critical import Breakdown
 from pipec.errors import MetricsError
 
 
@@ -38,6 +39,25 @@ def test_metrics_file_has_every_stage_and_rank(measured: tuple[Path, Path]) -> N
         assert 2**20 < rank["peak_memory_bytes"] < 64 * 2**20 < rank["baseline_memory_bytes"]
         assert rank["time_measure"] == "training steps"
     assert metrics["samples_per_s"] == pytest.approx(16 / metrics["step_s"])
+
+
+def test_metrics_keep_each_timed_steps_actions_in_their_order(
+        measured: tuple[Path, Path]) -> None:
+    metrics = json.loads(measured[1].read_text())
+    assert len(metrics["timelines"]) == metrics["steps"] == 2
+    for ranks in metrics["timelines"]:
+        ends = {(a[0], a[1], a[2]): a[4] for r in ranks for a in r["actions"]}
+        assert sorted(ends) == sorted((kind, k, m) for kind in ("forward", "backward")
+                                      for k in (0, 1) for m in range(4))
+        for r in ranks:
+            assert all(r["start"] <= a[3] < a[4] <= r["end"] for a in r["actions"])
+            for kind, k, m, start, _ in r["actions"]:  # each after the action it needs
+                needed = ("forward", 0, m) if kind == "forward" else ("backward", 1, m)
+                if (kind, k) in (("forward", 1), ("backward", 0)):
+                    assert start >= ends[needed]
+    path = compare(*measured).path
+    assert path is not None and path.actions >= 4 and path.hops >= 2
+    assert sum(path.parts().values()) == pytest.approx(path.step_s)
 
 
 def test_a_short_cpu_run_says_its_steps_were_timed_under_the_memory_measurement(
@@ -79,6 +99,7 @@ def test_compare_puts_prediction_and_measurement_side_by_side(
     assert main(["compare", str(measured[0]), str(measured[1])]) == 0
     printed = capsys.readouterr().out
     assert "measured ÷ predicted" in printed and "peak memory MiB, device 1" in printed
+    assert "critical path, mean of a step" in printed and "waits for inputs" in printed
 
 
 def _comparison(ratios: tuple[float, float], idle: float = 0.2,
@@ -111,6 +132,11 @@ def test_findings_name_the_assumption_that_is_off() -> None:
     on_cpu = replace(_comparison((1.0, 1.0), memory=170.0), device_type="cpu")
     assert "rounded up to whole pages" in findings(on_cpu)[0]
     assert "n/a" in render(_comparison((1.0, 1.0)))
+    waited = replace(_comparison((1.0, 1.0)), path=Breakdown(10.0, 7.0, 2.0, 0.5, 0.2, 0.3, 6, 4))
+    assert ("waits: the critical path of a step waited 2000.000 ms for other devices' outputs "
+            "(4 hops, 500.000 ms each) and 500.000 ms between its own actions, 25% of the step"
+            ) in findings(waited)[0]
+    assert "critical path" not in render(_comparison((1.0, 1.0)))
 
 
 def test_metrics_of_another_plan_are_refused(measured: tuple[Path, Path],
