@@ -11,6 +11,12 @@ alone, as if on P / c cores of their own; n of them computing run max(1, n·c / 
 Relative to the contended times the model uses (alone × c), that is a rate of
 ``min(c, P / n)``. With n = P it is 1: the plain simulation. With no contention (c = 1: a GPU
 each) it is 1 for every n, and the plain simulation is used.
+
+Where the runtime probe measured it (pipec.relay), n processes computing while the others wait
+in a receive run s(n) times slower than alone, which on the development machine is more than
+processor sharing says (P = 4, c = 2.36: s(1) = 1.16–1.20, s(2) = 1.38–1.44 against 1 and
+1.18): the rate is then c / s(n), s(n) kept between processor sharing's max(1, n·c / P) and c
+and growing with n, so that the simulation's bounds (``bound_s``) still hold.
 """
 
 from __future__ import annotations
@@ -29,17 +35,30 @@ class SharedCores:
     contention: float  # c: alone × c is each process's time when all P compute (the slowest's)
     processes: int  # P: the processes c was measured with (every training process)
     replicas: int = 1
+    # Measured s(n) for n = 1 … P − 1 processes computing (pipec.relay); () : processor sharing.
+    relayed: tuple[float, ...] = ()
 
     def rate(self, computing: int) -> float:
         """Work done per second of a contended time, for each of ``computing`` pipeline
         devices that compute at once."""
-        return min(self.contention, self.processes / (computing * self.replicas))
+        return self.contention / self.slowdown(computing * self.replicas)
+
+    def slowdown(self, processes: int) -> float:
+        """How much slower than alone each of ``processes`` computing at once runs: processor
+        sharing's max(1, n·c / P), or more where measured, at most c, never less than with
+        fewer processes computing."""
+        c, p = self.contention, self.processes
+        shared = [max(1.0, n * c / p) for n in range(1, min(processes, p) + 1)]
+        measured = list(self.relayed[:len(shared)])
+        measured += [1.0] * (len(shared) - len(measured))
+        return max(min(max(s, m), c) for s, m in zip(shared, measured, strict=True))
 
     @property
     def paired(self) -> float:
         """Contended ÷ measured, for a time measured with two processes computing and the rest
-        waiting (the probe's links and runtime: pipec.probe), min(c, P / 2)."""
-        return min(self.contention, self.processes / 2)
+        waiting (the probe's links and runtime: pipec.probe): the rate with two computing,
+        min(c, P / 2) under processor sharing."""
+        return self.contention / self.slowdown(2)
 
     @property
     def shared(self) -> bool:

@@ -88,6 +88,10 @@ class Device:
     # the CPU has bf16 instructions) and convolutions; 0 on GPUs (benchmarks/kernel_bytes.py).
     bf16_matmul_kernel_bytes: float = 0.0
     conv_kernel_bytes: float = 0.0
+    # With several processes per node on a CPU: per n = 1 … processes − 1 of them computing
+    # while the others wait in a receive, how much slower each computes than alone (measured:
+    # pipec.relay; () where not measured: processor sharing alone, pipec.cores).
+    relay_slowdowns: tuple[float, ...] = ()
 
 
 # PyTorch's cuBLAS workspace, allocated once per handle and stream through its caching allocator
@@ -207,10 +211,12 @@ def _from_json(path: Path) -> Device:
     if device_type not in ("cuda", "cpu"):
         raise ConfigError(f"hardware file {path}: device_type {device_type!r}; use cuda or cpu")
     try:
-        # schedule_action_s: {"interleaved": seconds, ...}, the others numbers.
+        # schedule_action_s: {"interleaved": seconds, ...}; relay_slowdowns: a list; the
+        # others numbers.
         values: dict[str, Any] = {n: float(data[n]) for n in names
-                                  if n not in ("name", "device_type", "schedule_action_s")
-                                  and n in data}
+                                  if n not in ("name", "device_type", "schedule_action_s",
+                                               "relay_slowdowns") and n in data}
+        values["relay_slowdowns"] = tuple(float(v) for v in data.get("relay_slowdowns", ()))
         per_schedule = data.get("schedule_action_s", {})  # a mapping, or pairs (asdict)
         pairs = per_schedule.items() if isinstance(per_schedule, dict) else per_schedule
         values["schedule_action_s"] = tuple(sorted((str(k), float(v)) for k, v in pairs))

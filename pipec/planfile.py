@@ -117,7 +117,9 @@ def _shared_cores(request: PlanRequest, replicas: int) -> dict[str, Any] | None:
     if cores is None:
         return None
     return {"contention": cores.contention, "processes": cores.processes,
-            "lent_in_bubbles": cores.shared, "probe_times_scale": cores.paired}
+            "lent_in_bubbles": cores.shared, "probe_times_scale": cores.paired,
+            # Per n = 1 … P processes computing at once, each one's time ÷ its time alone.
+            "slowdowns": [cores.slowdown(n) for n in range(1, cores.processes + 1)]}
 
 
 def _memory_terms(memory: StageMemory | None) -> dict[str, float]:

@@ -24,7 +24,10 @@ all-reduces' in pipec.allreduces.
   after compute, when gloo's threads must wake on cores the training keeps busy);
 - **blocking all-reduces**: conv → BatchNorm → ReLU blocks with an all-reduce of a BatchNorm's
   statistics after each, forward and backward, against the same blocks without, at two image
-  sizes: what a synchronized BatchNorm's waits cost in a pass (pipec.allreduces).
+  sizes: what a synchronized BatchNorm's waits cost in a pass (pipec.allreduces);
+- **relayed compute**: a fixed pass relayed round the processes, n = 1 … P − 1 of them
+  computing at once, against the pass alone in the parent (pipec.relay): how fast a pipeline's
+  devices compute in its bubbles.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -62,6 +65,7 @@ from pipec.allreduces import (
     step_s,
 )
 from pipec.heap import keep_freed_memory
+from pipec.relay import alone_s, relayed_s, slowdowns
 from pipec.timers import mean_s, span_s
 
 log = logging.getLogger(__name__)
@@ -89,6 +93,8 @@ class RuntimeFigures:
     # Per size of the blocking probe (pipec.allreduces): the compute between two blocking
     # all-reduces and what each adds to the step, seconds (none with one process).
     blocking_s: tuple[tuple[float, float], ...]
+    # Per n = 1 … processes − 1 computing at once, a relayed pass ÷ the pass alone (pipec.relay).
+    relay_slowdowns: tuple[float, ...] = ()
 
 
 def probe_runtime(processes: int, threads: int) -> RuntimeFigures:
@@ -100,6 +106,7 @@ def probe_runtime(processes: int, threads: int) -> RuntimeFigures:
         return RuntimeFigures(1, 0.0, 0.0, 0.0, 0.0, 0.0, {}, 0.0,
                               ((0.0, 0.0),) * len(DATA_PARALLEL_SHAPES),
                               selective_node_s(), ())
+    before = _alone_s(threads)
     context = mp.get_context("fork")
     results = context.Queue()
     port = _free_port()
@@ -120,7 +127,19 @@ def probe_runtime(processes: int, threads: int) -> RuntimeFigures:
     failed = [f for _, f in received if isinstance(f, str)]
     if failed:
         raise RuntimeError(failed[0])
-    return _combine(processes, [f for _, f in sorted(received, key=lambda rf: rf[0])])
+    figures = _combine(processes, [f for _, f in sorted(received, key=lambda rf: rf[0])])
+    # The pass alone before the workers and after: this machine's speed drifts by the second.
+    alone = (before + _alone_s(threads)) / 2
+    return replace(figures, relay_slowdowns=slowdowns([f["relay"] for _, f in received], alone))
+
+
+def _alone_s(threads: int) -> float:
+    kept = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return alone_s()
+    finally:
+        torch.set_num_threads(kept)
 
 
 def _free_port() -> int:
@@ -140,7 +159,7 @@ def _worker(rank: int, world: int, port: int, threads: int, results: Any) -> Non
                    "split": split_backward_node_s(), "selective": selective_node_s(),
                    "allreduce": allreduce_s(), "step": step_s(),
                    "data_parallel": [data_parallel_s(*shape) for shape in DATA_PARALLEL_SHAPES],
-                   "blocking": blocking_s()}
+                   "blocking": blocking_s(), "relay": relayed_s(rank, world)}
         dist.destroy_process_group()
         results.put((rank, figures))
     except Exception as exc:  # reported to the parent, which raises it

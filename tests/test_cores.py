@@ -48,12 +48,14 @@ def test_one_core_is_never_idle(pipeline: tuple[str, int, int, list[float], list
 
 
 @settings(max_examples=60, deadline=None)
-@given(_pipelines(), st.floats(1.0, 4.0), st.sampled_from([1, 2]))
+@given(_pipelines(), st.floats(1.0, 4.0), st.sampled_from([1, 2]),
+       st.lists(st.floats(0.5, 5.0), max_size=7))
 def test_shared_cores_sit_between_the_bound_and_the_plain_simulation(
         pipeline: tuple[str, int, int, list[float], list[float]], contention: float,
-        replicas: int) -> None:
+        replicas: int, relayed: list[float]) -> None:
+    """With or without measured slowdowns (any, even below 1 or above c: they are clamped)."""
     schedule, pp, micro_batches, fwd, bwd = pipeline
-    cores = SharedCores(contention, pp * replicas, replicas)
+    cores = SharedCores(contention, pp * replicas, replicas, tuple(relayed))
     shared = simulate(schedule, fwd, bwd, micro_batches, pp, cores=cores)
     plain = simulate(schedule, fwd, bwd, micro_batches, pp)
     bound = cores.bound_s(stage_lower_bound_s(fwd, bwd, micro_batches, pp, schedule),
@@ -71,6 +73,26 @@ def test_without_spare_cores_the_simulation_is_plain(cores: SharedCores) -> None
     fwd, bwd = [1.0, 3.0, 2.0, 1.5], [2.0, 5.0, 4.0, 3.0]
     shared = simulate("1f1b", fwd, bwd, 8, cores=cores)
     assert shared == simulate("1f1b", fwd, bwd, 8)
+
+
+def test_gpipe_on_one_core_with_a_measured_slowdown_by_hand() -> None:
+    # As above, but one process computing alone runs 1.5× its time alone (measured): 1.5 s an
+    # action where one computes, 2 where both do: 4 × 1.5 + 2 × 2 = 10 s.
+    cores = SharedCores(contention=2.0, processes=2, relayed=(1.5,))
+    result = simulate("gpipe", [2.0, 2.0], [2.0, 2.0], 2, cores=cores)
+    assert result.iteration_s == pytest.approx(10.0)
+
+
+def test_measured_slowdowns_are_kept_between_processor_sharing_and_the_contention() -> None:
+    # c = 2 on 4 processes: processor sharing says 1, 1, 1.5, 2 with 1 … 4 computing.
+    assert [SharedCores(2.0, 4).slowdown(n) for n in range(1, 6)] == [1.0, 1.0, 1.5, 2.0, 2.0]
+    # Measured 1.2, 1.1 (below one computing's: kept at 1.2) and 3.0 (above c: 2).
+    cores = SharedCores(2.0, 4, relayed=(1.2, 1.1, 3.0))
+    assert [cores.slowdown(n) for n in range(1, 5)] == [1.2, 1.2, 2.0, 2.0]
+    assert cores.rate(1) == pytest.approx(2.0 / 1.2) and cores.paired == cores.rate(2)
+    # Below processor sharing (0.9 alone, 1.0 for three): processor sharing's.
+    low = SharedCores(2.0, 4, relayed=(0.9, 1.0, 1.0))
+    assert [low.slowdown(n) for n in range(1, 5)] == [1.0, 1.0, 1.5, 2.0]
 
 
 def test_a_waiting_device_lends_its_core() -> None:

@@ -26,6 +26,7 @@ from pipec.probe import (
     probe_runtime,
     side_by_side,
 )
+from pipec.relay import slowdowns
 from pipec.schedule import SCHEDULES, simulate
 
 UNMEASURED = ((0.0, 0.0),) * len(DATA_PARALLEL_SHAPES)  # the data-parallel steps, not probed
@@ -99,6 +100,15 @@ def test_four_processes_on_this_machine() -> None:
     # two either way round (8.1 against 7.7 ms once): blocking_fit then fits no growth.
     (short_s, short_extra), (long_s, long_extra) = figures.blocking_s
     assert 0 < short_s < long_s and short_extra > 0 and long_extra > 0
+    # A pass relayed with 1, 2 and 3 of the 4 computing, against it alone: 1.16-1.44 with one
+    # or two here, but this machine's speed drifts by ±15 % between the two timings.
+    assert len(figures.relay_slowdowns) == 3
+    assert all(0.5 < s < 4 for s in figures.relay_slowdowns)
+
+
+def test_relay_slowdowns_take_the_median_process_against_alone() -> None:
+    assert slowdowns([[2.0, 3.0], [4.0, 3.0], [2.0, 5.0]], 2.0) == (1.0, 1.5)
+    assert slowdowns([], 2.0) == () and slowdowns([[1.0]], 0.0) == ()
 
 
 def test_the_blocking_fit_goes_through_both_measured_points() -> None:

@@ -146,7 +146,8 @@ def shared_cores(request: PlanRequest, replicas: int) -> SharedCores | None:
     calibration = request.calibration
     if calibration is None or calibration.contention <= 1 or request.nodes > 1:
         return None
-    return SharedCores(calibration.contention, request.gpus, replicas)
+    relayed = max((d.relay_slowdowns for d in request.devices), key=len, default=())
+    return SharedCores(calibration.contention, request.gpus, replicas, relayed)
 
 
 class Costs:
