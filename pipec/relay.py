@@ -4,12 +4,12 @@ wait for their turn in a gloo receive, as a pipeline's devices do in its bubbles
 Processor sharing (pipec.cores) says that n of P processes computing on P / c cores' worth run
 as fast as alone while n ≤ P / c. Measured on the 2-core development machine with P = 4 and
 c = 2.36, a pass relayed from process to process (a matrix-product loop, or the GPT sample's
-forward and backward) ran 1.16–1.20 × its time alone with one process computing and 1.38–1.44 ×
-with two, where processor sharing says 1.0 and 1.18: the waiting processes are not free (their
-wake-ups, gloo's threads, the caches they share). So the probe measures it: the P processes pass
-n tokens round a ring, each computing a fixed pass when it holds one, for n = 1 … P − 1, and
-the pass's median time is set against the same pass timed alone, in the parent before the
-workers start and after they end (pipec.probe).
+forward and backward) ran 1.16–1.22 × its time alone with one process computing and
+1.18–1.44 × with two (several runs), where processor sharing says 1.0 and 1.18: the waiting
+processes are not free (their wake-ups, gloo's threads, the caches they share). So the probe
+measures it: the P processes pass n tokens round a ring, each computing a fixed pass when it
+holds one, for n = 1 … P − 1, and the pass's median time is set against the same pass timed
+alone, in the parent before the workers start and after they end (pipec.probe).
 """
 
 from __future__ import annotations
