@@ -14,7 +14,7 @@ each) it is 1 for every n, and the plain simulation is used.
 
 Where the runtime probe measured it (pipec.relay), n processes computing while the others wait
 in a receive run s(n) times slower than alone, which on the development machine is more than
-processor sharing says (P = 4, c = 2.36: s(1) = 1.16–1.22, s(2) = 1.18–1.44 against 1 and
+processor sharing says (P = 4, c = 2.36: s(1) = 1.16–1.27, s(2) = 1.18–1.44 against 1 and
 1.18): the rate is then c / s(n), s(n) kept between processor sharing's max(1, n·c / P) and c
 and growing with n, so that the simulation's bounds (``bound_s``) still hold.
 """

@@ -4,7 +4,7 @@ wait for their turn in a gloo receive, as a pipeline's devices do in its bubbles
 Processor sharing (pipec.cores) says that n of P processes computing on P / c cores' worth run
 as fast as alone while n ≤ P / c. Measured on the 2-core development machine with P = 4 and
 c = 2.36, a pass relayed from process to process (a matrix-product loop, or the GPT sample's
-forward and backward) ran 1.16–1.22 × its time alone with one process computing and
+forward and backward) ran 1.16–1.27 × its time alone with one process computing and
 1.18–1.44 × with two (several runs), where processor sharing says 1.0 and 1.18: the waiting
 processes are not free (their wake-ups, gloo's threads, the caches they share). So the probe
 measures it: the P processes pass n tokens round a ring, each computing a fixed pass when it
@@ -15,15 +15,15 @@ alone, in the parent before the workers start and after they end (pipec.probe).
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 
+from pipec.timers import median_s, span_s
+
 WORK_SIZE = 192  # the pass: WORK_PRODUCTS products of two WORK_SIZE² fp32 matrices, ~5 ms here
 WORK_PRODUCTS = 30
 PASSES = 20  # per process and token count
-WARM_PASSES = 2
 
 
 def work_pass(operands: tuple[torch.Tensor, torch.Tensor]) -> None:
@@ -40,17 +40,14 @@ def operands() -> tuple[torch.Tensor, torch.Tensor]:
 def alone_s() -> float:
     """The pass's median seconds in this process, with nothing relayed."""
     pair = operands()
-    for _ in range(WARM_PASSES):
-        work_pass(pair)
-    return statistics.median(_timed(pair) for _ in range(PASSES))
+    return median_s(lambda: work_pass(pair), PASSES)
 
 
 def relayed_s(rank: int, world: int) -> list[float]:
     """This process's median pass seconds with n = 1 … world − 1 of the ``world`` processes
     computing at once (every process of the group calls it)."""
     pair = operands()
-    for _ in range(WARM_PASSES):
-        work_pass(pair)
+    work_pass(pair)  # warm
     return [statistics.median(_relay(rank, world, computing, pair))
             for computing in range(1, world)]
 
@@ -67,18 +64,12 @@ def _relay(rank: int, world: int, computing: int,
     for _ in range(PASSES):
         if not holds:
             dist.recv(token, before)
-        times.append(_timed(pair))
+        times.append(span_s(lambda: work_pass(pair), 1))
         dist.send(token, after)
         holds = False
     if rank < computing:  # the token the last holder passed back round
         dist.recv(token, before)
     return times
-
-
-def _timed(pair: tuple[torch.Tensor, torch.Tensor]) -> float:
-    started = time.perf_counter()
-    work_pass(pair)
-    return time.perf_counter() - started
 
 
 def slowdowns(relayed: list[list[float]], alone: float) -> tuple[float, ...]:
