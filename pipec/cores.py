@@ -73,44 +73,86 @@ class SharedCores:
         return max(plain_bound_s / self.rate(1), balanced_s)
 
 
-def shared_times(steps: tuple[tuple[str, int, int, int, int, int], ...], durations: list[float],
-                 pp: int, cores: SharedCores) -> tuple[list[float], list[float]]:
+Steps = tuple[tuple[str, int, int, int, int, int], ...]  # kind, stage, mb, device, needs
+
+
+def arrival_s(steps: Steps, end: list[float], need: int, device: int, posted_s: float,
+              late_receive_s: float) -> float:
+    """When step ``need``'s output is ready on ``device``, whose receive was posted (its previous
+    step ended) at ``posted_s``: at its end, or ``late_receive_s`` after the post where it
+    ended before (pipec.schedule); -1 needs nothing, and a step of the same device hands its
+    output over in memory."""
+    if need < 0:
+        return 0.0
+    if steps[need][3] == device or end[need] > posted_s:
+        return end[need]
+    return posted_s + late_receive_s
+
+
+def shared_times(steps: Steps, durations: list[float], pp: int, cores: SharedCores,
+                 late_receive_s: float = 0.0) -> tuple[list[float], list[float]]:
     """Start and end of each step (kind, stage, micro-batch, device, the two steps it needs) when
-    the devices computing at once share the cores: events from one action's end to the next,
-    each computing device doing ``cores.rate(n)`` of its work per second."""
+    the devices computing at once share the cores: events from one action's end (or a late
+    input's arrival) to the next, each computing device doing ``cores.rate(n)`` of its work
+    per second."""
     queues: list[list[int]] = [[] for _ in range(pp)]
     for i in reversed(range(len(steps))):
         queues[steps[i][3]].append(i)  # each device's steps, next last
     start, end = [0.0] * len(steps), [float("inf")] * len(steps)
+    free = [0.0] * pp  # when each device's last step ended: it posted its next receive then
     running: dict[int, list[float]] = {}  # device → [step, work left]
     now = 0.0
-    _start_ready(steps, durations, queues, running, start, end, now)
-    while running:
-        rate = cores.rate(len(running))
-        first = min(running, key=lambda d: running[d][1])
-        elapsed = running[first][1] / rate
-        now += elapsed
+    arrive = _Arrivals(steps, end, free, late_receive_s)
+    _start_ready(queues, durations, arrive, running, start, now)
+    while running or (wake := arrive.next_s(queues, running, now)) < float("inf"):
+        rate = cores.rate(len(running)) if running else 1.0
+        first = min(running, key=lambda d: running[d][1], default=-1)
+        to_end = running[first][1] / rate if running else float("inf")
+        wake = arrive.next_s(queues, running, now)
+        ends = to_end <= wake - now
+        elapsed = to_end if ends else wake - now
+        now = now + to_end if ends else wake
         for device in list(running):
             step, left = running[device]
-            if device == first or left - elapsed * rate <= _DONE_S:
-                end[int(step)] = now
+            if (device == first and ends) or left - elapsed * rate <= _DONE_S:
+                end[int(step)] = free[device] = now
                 del running[device]
             else:
                 running[device][1] = left - elapsed * rate
-        _start_ready(steps, durations, queues, running, start, end, now)
+        _start_ready(queues, durations, arrive, running, start, now)
     return start, end
 
 
-def _start_ready(steps: tuple[tuple[str, int, int, int, int, int], ...], durations: list[float],
-                 queues: list[list[int]], running: dict[int, list[float]], start: list[float],
-                 end: list[float], now: float) -> None:
-    """Start each idle device's next step whose inputs have ended (``end`` not infinite)."""
+@dataclass
+class _Arrivals:
+    """When each device's next step may start: its inputs arrived (``arrival_s``)."""
+
+    steps: Steps
+    end: list[float]
+    free: list[float]
+    late_receive_s: float
+
+    def ready_s(self, device: int, step: int) -> float:
+        return max(arrival_s(self.steps, self.end, n, device, self.free[device],
+                             self.late_receive_s) for n in self.steps[step][4:])
+
+    def next_s(self, queues: list[list[int]], running: dict[int, list[float]],
+               now: float) -> float:
+        """The earliest time after ``now`` an idle device's next step may start (a late
+        input arriving); infinite where each waits for a step still running."""
+        return min((t for d, q in enumerate(queues) if q and d not in running
+                    for t in (self.ready_s(d, q[-1]),) if now < t < float("inf")),
+                   default=float("inf"))
+
+
+def _start_ready(queues: list[list[int]], durations: list[float], arrive: _Arrivals,
+                 running: dict[int, list[float]], start: list[float], now: float) -> None:
+    """Start each idle device's next step whose inputs have arrived."""
     for device, queue in enumerate(queues):
         if device in running or not queue:
             continue
         step = queue[-1]
-        needs = (steps[step][4], steps[step][5])
-        if all(n < 0 or end[n] <= now for n in needs):
+        if arrive.ready_s(device, step) <= now:
             queue.pop()
             start[step] = now
             running[device] = [float(step), durations[step]]

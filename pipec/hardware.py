@@ -92,6 +92,10 @@ class Device:
     # while the others wait in a receive, how much slower each computes than alone (measured:
     # pipec.relay; () where not measured: processor sharing alone, pipec.cores).
     relay_slowdowns: tuple[float, ...] = ()
+    # Seconds from a pipeline action's receive to its input's arrival where the input was sent
+    # before the receiver asked (gloo's rendezvous waits for the busy sender's thread; measured:
+    # pipec.receives; 0: not measured, the input is ready when sent).
+    late_receive_s: float = 0.0
 
 
 # PyTorch's cuBLAS workspace, allocated once per handle and stream through its caching allocator

@@ -38,7 +38,7 @@ from pipec.schedule import ZERO_BUBBLE, simulate, stage_device
 log = logging.getLogger(__name__)
 
 MEASURE_CHOICES = ("auto", "off")
-CACHE_VERSION = 10  # bump when what is measured, or how, changes
+CACHE_VERSION = 11  # bump when what is measured, or how, changes
 REPEATS = 10  # passes per micro-batch size, as pipec profile's default, at least
 # This machine's speed drifts by ±15 % from one 2-second window to the next (a shared virtual
 # machine): passes spread over this many seconds average it out.
@@ -151,6 +151,7 @@ def _with_runtime(device: Device, runtime: RuntimeFigures) -> Device:
                    blocking_drift=drift, action_overhead_s=runtime.action_overhead_s,
                    step_overhead_s=runtime.step_overhead_s,
                    relay_slowdowns=tuple(runtime.relay_slowdowns),
+                   late_receive_s=runtime.late_receive_s,
                    schedule_action_s=schedule_action_s(runtime),
                    split_backward_node_s=runtime.split_backward_node_s,
                    # On a GPU the policy's host time runs ahead of the kernels (hidden).

@@ -27,7 +27,9 @@ all-reduces' in pipec.allreduces.
   sizes: what a synchronized BatchNorm's waits cost in a pass (pipec.allreduces);
 - **relayed compute**: a fixed pass relayed round the processes, n = 1 … P − 1 of them
   computing at once, against the pass alone in the parent (pipec.relay): how fast a pipeline's
-  devices compute in its bubbles.
+  devices compute in its bubbles;
+- **late receives**: micro-batches sent down a chain of every process, each computing a pass:
+  how long an input sent before its receiver asked for it takes to arrive (pipec.receives).
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ from pipec.allreduces import (
     step_s,
 )
 from pipec.heap import keep_freed_memory
+from pipec.receives import chain_records, late_receive_s
 from pipec.relay import alone_s, relayed_s, slowdowns
 from pipec.timers import mean_s, span_s
 
@@ -95,6 +98,9 @@ class RuntimeFigures:
     blocking_s: tuple[tuple[float, float], ...]
     # Per n = 1 … processes − 1 computing at once, a relayed pass ÷ the pass alone (pipec.relay).
     relay_slowdowns: tuple[float, ...] = ()
+    # Seconds from a receive's post to its input's arrival where the input was sent before
+    # (pipec.receives; 0 with one process).
+    late_receive_s: float = 0.0
 
 
 def probe_runtime(processes: int, threads: int) -> RuntimeFigures:
@@ -127,10 +133,12 @@ def probe_runtime(processes: int, threads: int) -> RuntimeFigures:
     failed = [f for _, f in received if isinstance(f, str)]
     if failed:
         raise RuntimeError(failed[0])
-    figures = _combine(processes, [f for _, f in sorted(received, key=lambda rf: rf[0])])
+    by_rank = [f for _, f in sorted(received, key=lambda rf: rf[0])]
+    figures = _combine(processes, by_rank)
     # The pass alone before the workers and after: this machine's speed drifts by the second.
     alone = (before + _alone_s(threads)) / 2
-    return replace(figures, relay_slowdowns=slowdowns([f["relay"] for _, f in received], alone))
+    return replace(figures, relay_slowdowns=slowdowns([f["relay"] for f in by_rank], alone),
+                   late_receive_s=late_receive_s([f["receives"] for f in by_rank]))
 
 
 def _alone_s(threads: int) -> float:
@@ -159,7 +167,8 @@ def _worker(rank: int, world: int, port: int, threads: int, results: Any) -> Non
                    "split": split_backward_node_s(), "selective": selective_node_s(),
                    "allreduce": allreduce_s(), "step": step_s(),
                    "data_parallel": [data_parallel_s(*shape) for shape in DATA_PARALLEL_SHAPES],
-                   "blocking": blocking_s(), "relay": relayed_s(rank, world)}
+                   "blocking": blocking_s(), "relay": relayed_s(rank, world),
+                   "receives": chain_records(rank, world)}
         dist.destroy_process_group()
         results.put((rank, figures))
     except Exception as exc:  # reported to the parent, which raises it

@@ -9,6 +9,11 @@ then alternates, then drains; interleaved 1F1B (Narayanan et al. 2021, torch's
 ScheduleInterleaved1F1B) warms up ``(v - 1)·pp + 2(pp - device - 1)`` forwards, depth first,
 then alternates. The zero-bubble schedules (pipec.zero_bubble) split each backward into the
 input's gradient ("I") and the weights' ("W").
+
+A *late receive*: torch posts an action's receive just before the action, and gloo's transfer is
+a rendezvous (the sender's thread writes once the receiver has asked), so an input sent before
+its receiver was free arrives ``late_receive_s`` after the receiver asks for it: on CPU processes
+sharing cores, the wait for the busy sender's thread to wake (pipec.receives).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipec.cores import SharedCores, shared_times
+from pipec.cores import SharedCores, arrival_s, shared_times
 from pipec.zero_bubble import interleaved_zb_order, v_device, zbv_order
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "interleaved-zb", "zbv")
@@ -280,13 +285,15 @@ def stage_lower_bound_s(fwd_s: list[float], bwd_s: list[float], num_micro_batche
 
 def simulate(schedule: str, fwd_s: list[float], bwd_s: list[float], num_micro_batches: int,
              pp: int | None = None, timeline: bool = True,
-             weight_s: list[float] | None = None, cores: SharedCores | None = None
-             ) -> Simulation:
+             weight_s: list[float] | None = None, cores: SharedCores | None = None,
+             late_receive_s: float = 0.0) -> Simulation:
     """Run the schedule on stages whose forward and backward take ``fwd_s[k]`` and ``bwd_s[k]``;
     ``pp`` devices (default: one per stage) each run ``len(fwd_s) / pp`` stages. Under a
     zero-bubble schedule ``weight_s[k]`` of the backward is the weights' gradient (default:
     half). ``timeline``: keep every action (for the picture), else only the figures. ``cores``:
-    the devices are processes sharing a CPU's cores, faster while others wait (pipec.cores)."""
+    the devices are processes sharing a CPU's cores, faster while others wait (pipec.cores).
+    ``late_receive_s``: what an input from another device costs when it was sent before its
+    receiver was free (the module's docstring)."""
     stages = len(fwd_s)
     pp = pp or stages
     structure = _structure(schedule, pp, num_micro_batches, stages // pp)
@@ -295,9 +302,9 @@ def simulate(schedule: str, fwd_s: list[float], bwd_s: list[float], num_micro_ba
                  "I": [b - w for b, w in zip(bwd_s, weights, strict=True)]}
     each = [durations[kind][stage] for kind, stage, *_ in structure.steps]
     if cores is not None and cores.shared:
-        start, end = shared_times(structure.steps, each, pp, cores)
+        start, end = shared_times(structure.steps, each, pp, cores, late_receive_s)
     else:
-        start, end = _plain_times(structure, each, pp)
+        start, end = _plain_times(structure, each, pp, late_receive_s)
     iteration = max(end, default=0.0)
     busy = sum(end) - sum(start)
     bubble = 1 - busy / (pp * iteration) if iteration > 0 else 0.0
@@ -308,13 +315,16 @@ def simulate(schedule: str, fwd_s: list[float], bwd_s: list[float], num_micro_ba
                       actions)
 
 
-def _plain_times(structure: _Structure, durations: list[float], pp: int
+def _plain_times(structure: _Structure, durations: list[float], pp: int, late_receive_s: float
                  ) -> tuple[list[float], list[float]]:
-    """Start and end of each step: when its device is free and the steps it needs have ended."""
-    end = [0.0] * (len(structure.steps) + 1)  # end[-1]: "needs nothing", ready at 0
+    """Start and end of each step: when its device is free and its inputs have arrived."""
+    steps = structure.steps
+    end = [0.0] * (len(steps) + 1)  # end[-1]: "needs nothing", ready at 0
     free = [0.0] * pp
-    for i, (_, _, _, device, first, second) in enumerate(structure.steps):
-        end[i] = free[device] = max(free[device], end[first], end[second]) + durations[i]
+    for i, (_, _, _, device, first, second) in enumerate(steps):
+        arrived = max(arrival_s(steps, end, n, device, free[device], late_receive_s)
+                      for n in (first, second))
+        end[i] = free[device] = max(free[device], arrived) + durations[i]
     end.pop()
     return [e - d for e, d in zip(end, durations, strict=True)], end
 

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipec.cores import SharedCores
-from pipec.schedule import SCHEDULES, runs, simulate, stage_lower_bound_s
+from pipec.schedule import SCHEDULES, Action, runs, simulate, stage_lower_bound_s
 
 
 def _stage_times(draw: st.DrawFn, stages: int) -> list[float]:
@@ -108,3 +108,39 @@ def test_a_waiting_device_lends_its_core() -> None:
     # when all four compute; with two processes, both computed.
     assert cores.paired == pytest.approx(2.0)
     assert SharedCores(1.2, 2).paired == pytest.approx(1.0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(_pipelines(), st.floats(0.0, 2.0), st.sampled_from([1.0, 2.0]))
+def test_a_late_receive_starts_no_earlier_than_its_post_and_the_wait(
+        pipeline: tuple[str, int, int, list[float], list[float]], late: float,
+        contention: float) -> None:
+    """Plain or on shared cores: an action starts after its device's previous one and its
+    inputs' ends, and an input from another device that ended before its receiver was free
+    arrives ``late`` after it was; the bounds still hold."""
+    schedule, pp, micro_batches, fwd, bwd = pipeline
+    cores = SharedCores(contention, pp)
+    result = simulate(schedule, fwd, bwd, micro_batches, pp, cores=cores, late_receive_s=late)
+    ends = {(a.kind, a.stage, a.micro_batch): (a.end_s, a.device) for a in result.actions}
+    for device in range(pp):
+        free = 0.0
+        for action in (a for a in result.actions if a.device == device):
+            assert action.start_s >= free - 1e-9
+            for end, sender in _inputs(action, ends, len(fwd)):
+                late_here = sender != device and end <= free
+                assert action.start_s >= (free + late if late_here else end) - 1e-9
+            free = action.end_s
+    bound = cores.bound_s(stage_lower_bound_s(fwd, bwd, micro_batches, pp, schedule),
+                          micro_batches * (sum(fwd) + sum(bwd)) / pp)
+    assert bound * (1 - 1e-9) <= result.iteration_s
+
+
+def _inputs(action: Action, ends: dict[tuple[str, int, int], tuple[float, int]],
+            stages: int) -> list[tuple[float, int]]:
+    """The (end, device) of the actions of other stages ``action`` waits for."""
+    k, s = action.micro_batch, action.stage
+    if action.kind == "F":
+        return [ends["F", s - 1, k]] if s > 0 else []
+    if action.kind in ("B", "I") and s < stages - 1:
+        return [ends.get(("B", s + 1, k)) or ends["I", s + 1, k]]
+    return []

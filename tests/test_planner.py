@@ -499,7 +499,8 @@ def test_a_device_written_with_asdict_loads_back(tmp_path: Path) -> None:
     from pipec.hardware import PRESETS, load_hardware
 
     device = replace(PRESETS["cpu"], name="probe", schedule_action_s=(("1f1b", 3e-4),),
-                     split_backward_node_s=2e-5, relay_slowdowns=(1.2, 1.4, 1.7))
+                     split_backward_node_s=2e-5, relay_slowdowns=(1.2, 1.4, 1.7),
+                     late_receive_s=2e-3)
     path = tmp_path / "device.json"
     path.write_text(json.dumps(asdict(device)))
     assert load_hardware(str(path)) == device

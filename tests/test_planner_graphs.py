@@ -263,6 +263,22 @@ def test_the_runtimes_own_time_is_added_per_action_and_per_step() -> None:
     assert overheads.idle_share == pytest.approx(5e-3 / overheads.iteration_s)
 
 
+def test_a_late_receive_costs_what_the_device_measured() -> None:
+    """Two equal stages, GPipe, 2 micro-batches of 8 (forward 8 ms, backward 16): stage 0's
+    forwards end at 16, stage 1's forwards and backwards at 56, stage 0's backwards at 72.
+    Stage 1's second forward and stage 0's second backward find their input sent as they ask
+    for it (the sender ends as the receiver does: not waiting for it), each paying
+    late_receive_s."""
+    graph = _chain([1e9] * 2)
+    request = _request([_device()] * 2, global_batch=16, micro_batch=8, pp=2,
+                       schedule="gpipe")
+    prompt = plan(graph, request)
+    late = replace(_device(), late_receive_s=3e-3)
+    waiting = plan(graph, replace(request, devices=(late,) * 2))
+    assert prompt.iteration_s == pytest.approx(72e-3)
+    assert waiting.iteration_s == pytest.approx(prompt.iteration_s + 2 * 3e-3)
+
+
 def test_a_data_parallel_step_pays_each_all_reduces_wait() -> None:
     """2 replicas of one stage holding 5 MiB of weights (latency 0, 10 GB/s links): the step's
     all-reduces are DDP's 1 MiB bucket, one for the 4 MiB left and the loss's, each paying the

@@ -26,6 +26,7 @@ from pipec.probe import (
     probe_runtime,
     side_by_side,
 )
+from pipec.receives import MICRO_BATCHES, late_receive_s
 from pipec.relay import slowdowns
 from pipec.schedule import SCHEDULES, simulate
 
@@ -104,6 +105,19 @@ def test_four_processes_on_this_machine() -> None:
     # or two here, but this machine's speed drifts by ±15 % between the two timings.
     assert len(figures.relay_slowdowns) == 3
     assert all(0.5 < s < 4 for s in figures.relay_slowdowns)
+    # A receive posted after its input was sent waits for the busy sender's thread: 1.6-4 ms
+    # with 4 processes on 2 cores here.
+    assert 0 < figures.late_receive_s < 0.05
+
+
+def test_a_late_receive_counts_only_inputs_sent_before_the_post() -> None:
+    # Two ranks, the first round left out: rank 1's receives posted at 10 (input sent at 9:
+    # late, 2 s to arrive) and at 20 (sent at 21: waiting for it, not counted).
+    first = [(0.0, 0.0, 0.5)] * MICRO_BATCHES
+    sender = [*first, (0.0, 0.0, 9.0), (0.0, 0.0, 21.0), *first[2:]]
+    receiver = [*first, (10.0, 12.0, 13.0), (20.0, 21.5, 22.0), *first[2:]]
+    assert late_receive_s([sender, receiver]) == 2.0
+    assert late_receive_s([sender]) == 0.0
 
 
 def test_relay_slowdowns_take_the_median_process_against_alone() -> None:

@@ -197,3 +197,16 @@ def test_interleaved_changes_are_its_orders(pp: int, micro_batches: int, virtual
         assert stages.tolist() == [stage for _, stage, _ in order]
         assert held.tolist() == [1 if kind == "F" else -1 for kind, _, _ in order]
         assert not awaiting.any()
+
+
+def test_a_late_receive_waits_after_its_post_by_hand() -> None:
+    """Two stages, GPipe, 3 micro-batches, forward 1 s, backward 2, 0.5 s per late receive.
+    Stage 1's forward k asks for its input when its forward k − 1 ends (1, 2.5, 4) and gets it
+    at stage 0's end if that is later (1), else 0.5 s after asking (2.5, 4); its backwards
+    need nothing sent (5 to 11). Stage 0's backwards ask at 3, 9 and 11.5: 7, 9.5 and 12."""
+    result = simulate("gpipe", [1.0, 1.0], [2.0, 2.0], 3, late_receive_s=0.5)
+    starts = {(a.kind, a.stage, a.micro_batch): a.start_s for a in result.actions}
+    assert [starts["F", 1, k] for k in range(3)] == [1.0, 2.5, 4.0]
+    assert [starts["B", 0, k] for k in range(3)] == [7.0, 9.5, 12.0]
+    assert result.iteration_s == 14.0
+    assert simulate("gpipe", [1.0, 1.0], [2.0, 2.0], 3).iteration_s == 12.0

@@ -94,6 +94,8 @@ class StageCosts:
     # (n,): what a micro-batch's node waits for its synchronized BatchNorm's all-reduces,
     # forward and backward, inside fwd_s and bwd_s (None: no BatchNorm synchronized).
     synchronized_norm_s: np.ndarray | None = None
+    # What an input sent before its receiver asked for it costs (pipec.receives).
+    late_receive_s: float = 0.0
 
     @functools.cached_property
     def selective_again_s(self) -> np.ndarray:
@@ -228,7 +230,8 @@ class Costs:
         return StageCosts(fwd + bwd, fwd, bwd, arrays, cut, capacity, runtime, overhead,
                           bwd * self.weight_share, action, self._schedule_action_s(paired),
                           self._split_backward_s(micro_batch, bwd.max(axis=0)),
-                          selective * self.autograd_nodes, cores, synchronized)
+                          selective * self.autograd_nodes, cores, synchronized,
+                          max(d.late_receive_s for d in self.request.devices))
 
     @staticmethod
     def _sharding_host_bytes(layout: Layout, device: Device) -> float:

@@ -183,16 +183,16 @@ def timeline(e: Evaluated) -> Simulation:
 
 def _simulate(e: Evaluated, timeline: bool) -> Simulation:
     fwd, bwd = stage_times(e)
-    cores = e.stage_costs.cores
+    cores, late = e.stage_costs.cores, e.stage_costs.late_receive_s
     if e.schedule not in ZERO_BUBBLE:
         return simulate(e.schedule, fwd, bwd, e.num_micro_batches, e.layout.pp, timeline,
-                        cores=cores)
+                        cores=cores, late_receive_s=late)
     # The weights' gradient is an action of its own, and splitting costs both halves time.
     between = e.stage_costs.extra_action_s(e.schedule)  # the weights' action's, beyond its call
     bwd = [b + extra + between for b, extra in zip(bwd, split_backward_s(e), strict=True)]
     weights = [w + s / 2 for w, s in zip(stage_weight_s(e), _split_s(e), strict=True)]
     return simulate(e.schedule, fwd, bwd, e.num_micro_batches, e.layout.pp, timeline, weights,
-                    cores)
+                    cores, late)
 
 
 def split_backward_s(e: Evaluated) -> list[float]:
