@@ -88,6 +88,12 @@ def test_several_processes_measure_the_training_runtime_too(tmp_path: Path, cach
         == data_parallel_fit(RuntimeFigures(**runtime))
     assert device.action_overhead_s == runtime["action_overhead_s"]
     assert dict(device.schedule_action_s).keys() == runtime["schedule_step_s"].keys()
+    # A receive posted after its input was sent (pipec.receives): in plan.json and the report.
+    assert device.late_receive_s == runtime["late_receive_s"] > 0
+    predicted = json.loads((tmp_path / "a" / "plan.json").read_text())["predicted"]
+    assert predicted["runtime_overhead_s"]["per_late_receive"] == device.late_receive_s
+    assert "per input sent before its receiver asked for it" in \
+        (tmp_path / "a" / "report.md").read_text()
     calibration = plan.request.calibration
     assert calibration is not None and calibration.contention >= 1.0
     assert "with 2 processes computing side by side" in calibration.source
