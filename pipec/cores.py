@@ -104,11 +104,13 @@ def shared_times(steps: Steps, durations: list[float], pp: int, cores: SharedCor
     now = 0.0
     arrive = _Arrivals(steps, end, free, late_receive_s)
     _start_ready(queues, durations, arrive, running, start, now)
-    while running or (wake := arrive.next_s(queues, running, now)) < float("inf"):
+    while True:
+        wake = arrive.next_s(queues, running, now)
+        if not running and wake == float("inf"):
+            return start, end
         rate = cores.rate(len(running)) if running else 1.0
         first = min(running, key=lambda d: running[d][1], default=-1)
         to_end = running[first][1] / rate if running else float("inf")
-        wake = arrive.next_s(queues, running, now)
         ends = to_end <= wake - now
         elapsed = to_end if ends else wake - now
         now = now + to_end if ends else wake
@@ -120,7 +122,6 @@ def shared_times(steps: Steps, durations: list[float], pp: int, cores: SharedCor
             else:
                 running[device][1] = left - elapsed * rate
         _start_ready(queues, durations, arrive, running, start, now)
-    return start, end
 
 
 @dataclass
@@ -140,6 +141,8 @@ class _Arrivals:
                now: float) -> float:
         """The earliest time after ``now`` an idle device's next step may start (a late
         input arriving); infinite where each waits for a step still running."""
+        if self.late_receive_s <= 0:  # every input arrives as its step ends
+            return float("inf")
         return min((t for d, q in enumerate(queues) if q and d not in running
                     for t in (self.ready_s(d, q[-1]),) if now < t < float("inf")),
                    default=float("inf"))
