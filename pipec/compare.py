@@ -185,7 +185,8 @@ def _waits_finding(path: Breakdown) -> str:
             f"devices' outputs ({path.hops} hops, {_ms(hop)} ms each) and {_ms(path.between_s)} "
             f"ms between its own actions, {(path.input_waits_s + path.between_s) / path.step_s:.0%}"
             " of the step: the transfers and the runtime between actions cost more than the "
-            "links and the time per action the model charges (docs/runtime.md)")
+            "links, the time per action and the late receives the model charges "
+            "(docs/runtime.md)")
 
 
 def _speed_advice(c: Comparison) -> str:
