@@ -103,11 +103,8 @@ def shared_times(steps: Steps, durations: list[float], pp: int, cores: SharedCor
     running: dict[int, list[float]] = {}  # device → [step, work left]
     now = 0.0
     arrive = _Arrivals(steps, end, free, late_receive_s)
-    _start_ready(queues, durations, arrive, running, start, now)
-    while True:
-        wake = arrive.next_s(queues, running, now)
-        if not running and wake == float("inf"):
-            return start, end
+    wake = _start_ready(queues, durations, arrive, running, start, now)
+    while running or wake < float("inf"):
         rate = cores.rate(len(running)) if running else 1.0
         first = min(running, key=lambda d: running[d][1], default=-1)
         to_end = running[first][1] / rate if running else float("inf")
@@ -121,7 +118,8 @@ def shared_times(steps: Steps, durations: list[float], pp: int, cores: SharedCor
                 del running[device]
             else:
                 running[device][1] = left - elapsed * rate
-        _start_ready(queues, durations, arrive, running, start, now)
+        wake = _start_ready(queues, durations, arrive, running, start, now)
+    return start, end
 
 
 @dataclass
@@ -137,25 +135,22 @@ class _Arrivals:
         return max(arrival_s(self.steps, self.end, n, device, self.free[device],
                              self.late_receive_s) for n in self.steps[step][4:])
 
-    def next_s(self, queues: list[list[int]], running: dict[int, list[float]],
-               now: float) -> float:
-        """The earliest time after ``now`` an idle device's next step may start (a late
-        input arriving); infinite where each waits for a step still running."""
-        if self.late_receive_s <= 0:  # every input arrives as its step ends
-            return float("inf")
-        return min((t for d, q in enumerate(queues) if q and d not in running
-                    for t in (self.ready_s(d, q[-1]),) if now < t < float("inf")),
-                   default=float("inf"))
-
 
 def _start_ready(queues: list[list[int]], durations: list[float], arrive: _Arrivals,
-                 running: dict[int, list[float]], start: list[float], now: float) -> None:
-    """Start each idle device's next step whose inputs have arrived."""
+                 running: dict[int, list[float]], start: list[float], now: float) -> float:
+    """Start each idle device's next step whose inputs have arrived; returns when the next of
+    the others may start (a late input arriving; infinite where each waits for a step still
+    running)."""
+    wake = float("inf")
     for device, queue in enumerate(queues):
         if device in running or not queue:
             continue
         step = queue[-1]
-        if arrive.ready_s(device, step) <= now:
+        ready = arrive.ready_s(device, step)
+        if ready <= now:
             queue.pop()
             start[step] = now
             running[device] = [float(step), durations[step]]
+        else:
+            wake = min(wake, ready)
+    return wake
