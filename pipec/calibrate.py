@@ -37,7 +37,7 @@ from pipec.normalize import NormRewrite, group_norm_rewrites, to_group_norm
 from pipec.normtimes import kept_norm_timings
 from pipec.probe import side_by_side
 from pipec.splittimes import split_backward_timing
-from pipec.steptimes import data_seconds, loss_timing
+from pipec.steptimes import data_seconds, loss_timing, optimizer_seconds
 from pipec.tensors import flat_tensors
 from pipec.trace import Traced, batch_inputs, trace_model
 
@@ -104,7 +104,8 @@ def profile_model(model: Path, batch_size: int, device: str = "cpu", repeats: in
     return (Calibration(target.type, forward, backward, _timings(graph, samples), overhead,
                         contention=contention, data_s=data_seconds(spec, sizes), loss=loss,
                         kept_norm=kept_norm,
-                        split_backward=split_backward_timing(real, inputs, target)),
+                        split_backward=split_backward_timing(real, inputs, target),
+                        optimizer_s=optimizer_seconds(real)),
             tuple(samples))
 
 

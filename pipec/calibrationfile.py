@@ -29,7 +29,10 @@ def load_calibration(path: Path) -> Calibration:
                            nodes, (overhead[0], overhead[1]),
                            str(data.get("source", "pipec profile")),
                            float(data.get("contention", 1.0)), (data_s[0], data_s[1]), loss,
-                           tuple(_node_timing(t) for t in data.get("kept_norm", ())), split)
+                           tuple(_node_timing(t) for t in data.get("kept_norm", ())), split,
+                           tuple((str(name), float(fixed), float(per_tensor), float(per_byte))
+                                 for name, fixed, per_tensor, per_byte
+                                 in data.get("optimizer_s", ())))
     except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
         raise ConfigError(f"calibration file {path}: {exc}; make one with pipec profile") from None
 

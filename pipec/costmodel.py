@@ -98,6 +98,10 @@ class Calibration:
     # adds to its one backward, as ``bwd_s`` at the sizes measured (pipec.splittimes; None:
     # not measured).
     split_backward: NodeTiming | None = None
+    # Per optimizer ("sgd", "adamw"), its step as train.py runs it, out of the caches: fixed
+    # seconds, seconds per parameter tensor and per parameter byte (pipec.steptimes; () not
+    # measured: the roofline's bytes, optimizer_s).
+    optimizer_s: tuple[tuple[str, float, float, float], ...] = ()
 
     def bind(self, graph: CostGraph) -> Calibration:
         """This calibration for ``graph``: its node timings (and its model's loss, data,
@@ -354,6 +358,15 @@ def data_parallel_collectives(grad_bytes: float) -> int:
     return 2 + math.ceil(rest / DDP_BUCKET_BYTES)
 
 
-def optimizer_s(param_bytes: float, optimizer: str, device: Device) -> float:
-    """One optimizer step over ``param_bytes`` of fp32 weights: memory-bound."""
+def optimizer_s(param_bytes: float, optimizer: str, device: Device,
+                tensors: float = 0.0, measured: Calibration | None = None) -> float:
+    """One optimizer step over ``param_bytes`` of fp32 weights in ``tensors`` tensors: as
+    ``measured`` timed it where it did (its Python's time per step and per tensor, and its
+    bytes out of the caches), else memory-bound."""
+    timed = dict((name, rest) for name, *rest in measured.optimizer_s) if measured else {}
+    if not tensors and not param_bytes:
+        return 0.0  # train.py's optimizer of a device without weights does nothing
+    if optimizer in timed:
+        fixed, per_tensor, per_byte = timed[optimizer]
+        return fixed + per_tensor * tensors + per_byte * param_bytes
     return param_bytes * OPTIMIZER_TRAFFIC[optimizer] / device.memory_bandwidth

@@ -14,6 +14,7 @@ from conftest import SAMPLES, compile_to
 from pipec.calibrate import profile_model
 from pipec.calibrationfile import save_calibration
 from pipec.errors import ConfigError
+from pipec.loader import load_model_file
 from pipec.measured import (
     Target,
     blocking_fit,
@@ -60,6 +61,12 @@ def test_compile_measures_here_once_then_reads_the_cache(tmp_path: Path, cache: 
     # Making the data is measured too (fixed + per sample: one of them is positive), and is a
     # term of the step.
     assert sum(calibration.data_s) > 0 and first.step_terms["data"] > 0
+    # So is the optimizer step: fixed, per tensor and per byte, over the one device's weights.
+    (fixed, per_tensor, per_byte), = [rest for name, *rest in calibration.optimizer_s
+                                      if name == "sgd"]
+    weights = list(load_model_file(MLP).build_model().parameters())
+    assert first.step_terms["optimizer"] == pytest.approx(
+        fixed + per_tensor * len(weights) + per_byte * sum(4 * w.numel() for w in weights))
     predicted = json.loads((tmp_path / "a" / "plan.json").read_text())["predicted"]
     assert set(predicted["step_terms"]) == {"all_reduce", "optimizer", "data", "runtime"}
     report = (tmp_path / "a" / "report.md").read_text()

@@ -1,15 +1,20 @@
-"""pipec.steptimes: the loss and the data a step runs besides the model's nodes, timed."""
+"""pipec.steptimes: the loss, the data and the optimizer step a step runs besides the model's
+nodes, timed."""
 
 from __future__ import annotations
 
 import types
 from typing import Any
 
+import numpy as np
+import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from pipec.steptimes import data_seconds, loss_timing
+from pipec.costmodel import Calibration, Fit, optimizer_s
+from pipec.hardware import PRESETS
+from pipec.steptimes import _nonnegative_fit, data_seconds, loss_timing, optimizer_seconds
 
 
 def test_the_loss_is_timed_at_each_size_on_the_models_output() -> None:
@@ -38,3 +43,32 @@ def test_a_model_with_its_own_dataset_is_not_timed() -> None:
     spec = _spec(sample_batch=lambda n: (torch.randn(n, 4), torch.zeros(n)),
                  train_dataset=lambda: [])
     assert data_seconds(spec, [1, 2]) == (0.0, 0.0)
+
+
+def test_the_optimizer_is_timed_for_each_of_train_pys_optimizers() -> None:
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
+    figures = optimizer_seconds(model)
+    assert [name for name, *_ in figures] == ["sgd", "adamw"]
+    for _, fixed, per_tensor, per_byte in figures:
+        assert min(fixed, per_tensor, per_byte) >= 0
+        assert fixed + 4 * per_tensor + per_byte * 4 * (64 * 256 + 256 + 256 * 10 + 10) > 0
+
+
+def test_the_optimizers_fit_recovers_its_terms_and_keeps_them_non_negative() -> None:
+    counts = np.array([[1.0, 4, 256], [1, 64, 4096], [1, 12, 4e6], [1, 6, 2e6]])
+    exact = counts @ np.array([2e-4, 1e-5, 3e-10])
+    assert _nonnegative_fit(counts, exact) == pytest.approx((2e-4, 1e-5, 3e-10))
+    # Times that fall with the tensors: no negative time per tensor, the rest refitted.
+    falling = counts @ np.array([1e-3, -1e-6, 3e-10])
+    fixed, per_tensor, per_byte = _nonnegative_fit(counts, falling)
+    assert per_tensor == 0 and fixed > 0 and per_byte > 0
+
+
+def test_a_measured_optimizer_step_replaces_the_roofline_and_nothing_costs_nothing() -> None:
+    cpu = PRESETS["cpu"]
+    timed = Calibration("cpu", Fit(0, 0, 0), Fit(0, 0, 0),
+                        optimizer_s=(("sgd", 2e-4, 1e-5, 3e-10),))
+    assert optimizer_s(1e6, "sgd", cpu, 12, timed) == pytest.approx(2e-4 + 12e-5 + 3e-4)
+    assert optimizer_s(1e6, "adamw", cpu, 12, timed) == optimizer_s(1e6, "adamw", cpu)
+    assert optimizer_s(1e6, "sgd", cpu) == pytest.approx(1e6 * 5 / cpu.memory_bandwidth)
+    assert optimizer_s(0.0, "sgd", cpu, 0, timed) == 0.0

@@ -7,6 +7,8 @@ import itertools
 import math
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from pipec.costmodel import (
     allreduce_bandwidth,
     allreduce_s,
@@ -159,14 +161,18 @@ def data_s(costs: Costs) -> float:
 
 
 def _optimizer_s(costs: Costs, e: Evaluated) -> float:
-    """The slowest position's optimizer step: over its shard of the weights under FSDP."""
+    """The slowest position's optimizer step: over its shard of the weights under FSDP (every
+    tensor sharded, none fewer), as measured on the device where it was."""
     spans = list(itertools.pairwise(e.boundaries))
     optimizer = costs.request.training.optimizer
     shard = e.layout.dp if e.layout.fsdp in SHARDED else 1
-    return max(optimizer_s(sum(float(costs.param_bytes[a:b].sum())
-                               for a, b in _spans_on(e, spans, p)) / shard,
-                           optimizer, min(costs.devices(e.layout, p),
-                                          key=lambda d: d.memory_bandwidth))
+
+    def on(p: int, per_node: np.ndarray) -> float:
+        return sum(float(per_node[a:b].sum()) for a, b in _spans_on(e, spans, p))
+
+    return max(optimizer_s(on(p, costs.param_bytes) / shard, optimizer,
+                           min(costs.devices(e.layout, p), key=lambda d: d.memory_bandwidth),
+                           on(p, costs.param_tensors), costs.request.calibration)
                for p in range(e.layout.pp))
 
 
