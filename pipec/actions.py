@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipec.timers import median_s
+from pipec.timers import median_in_turns, median_s
 
 MICRO_BATCHES = 16
 SCHEDULE_MICRO_BATCHES = 8
@@ -42,25 +42,33 @@ def action_overhead_s(rank: int) -> float:
     return max(per_action - _plain_action_s(layer), 0.0)
 
 
+SCHEDULE_ROUNDS = 48
+
+
 def schedule_steps(rank: int) -> dict[str, float]:
     """Per schedule, the median step of a 4-wide linear layer per stage on ranks 0 and 1
-    (others: empty), stages placed as the schedule places them."""
-    from pipec.schedule import SCHEDULES, stage_device
+    (others: empty), stages placed as the schedule places them, the schedules taking turns. One
+    probe step of 1F1B here moves from 5.6 to 22 ms: medians of 12, timed one schedule after
+    another, put GPipe's step at 0.93-1.42 × 1F1B's over six probes (the same actions, in another
+    order) and interleaved's at 23.6-32.2 ms; in turns over 48 rounds, 0.90-1.22 and 26.6-31.0."""
+    from pipec.schedule import SCHEDULES
 
     group = dist.new_group([0, 1])
-    steps = {} if rank > 1 else {schedule: _pipeline_step_s(schedule, rank, group, stage_device)
-                                 for schedule in SCHEDULES}
+    steps: dict[str, float] = {}
+    if rank <= 1:
+        runs = {schedule: _pipeline_step(schedule, rank, group) for schedule in SCHEDULES}
+        steps = median_in_turns(runs, SCHEDULE_ROUNDS)
     # The other ranks wait here, holding no core: their next probes, computing beside these
     # steps, once made GPipe's (timed first) 24.7 ms with 4 processes, 15.7 ms without.
     dist.barrier()
     return steps
 
 
-def _pipeline_step_s(schedule: str, rank: int, group: Any,
-                     stage_device: Callable[[str, int, int], int]) -> float:
+def _pipeline_step(schedule: str, rank: int, group: Any) -> Callable[[], None]:
+    """One step of ``schedule``'s 2-device pipeline on this rank, ready to run."""
     from torch.distributed import pipelining
 
-    from pipec.schedule import SCHEDULE_CLASSES
+    from pipec.schedule import SCHEDULE_CLASSES, stage_device
 
     virtual = 1 if schedule in ("gpipe", "1f1b") else 2
     indices = [k for k in range(2 * virtual) if stage_device(schedule, k, 2) == rank]
@@ -77,7 +85,7 @@ def _pipeline_step_s(schedule: str, rank: int, group: Any,
         dist.barrier(group=group)
         runner.step(*((inputs,) if rank == 0 else ()), target=inputs if last else None)
 
-    return median_s(step, 12)
+    return step
 
 
 def split_backward_node_s() -> float:

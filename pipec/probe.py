@@ -10,8 +10,9 @@ all-reduces' in pipec.allreduces.
   its forward and backward calls timed, less the same layer's plain forward and backward: the
   runtime's own time per action;
 - **per action, by schedule**: the same layer as a 2-device pipeline under each schedule (two
-  stages per device where the schedule has more), whole steps timed: the schedule runtime's
-  sends, receives and bookkeeping between actions (pipec.measured fits them per action);
+  stages per device where the schedule has more), whole steps timed, the schedules in turns:
+  the schedule runtime's sends, receives and bookkeeping between actions (pipec.measured fits
+  them per action);
 - **split backward**: a 32-operation stack of linear layers, its backward run whole and split
   as the zero-bubble schedules split it (torch's stage_backward_input and
   stage_backward_weight, which walk the autograd graph in Python): the extra time per recorded

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -18,6 +18,18 @@ def median_s(run: Callable[[], object], repeats: int) -> float:
         run()
         times.append(time.perf_counter() - started)
     return statistics.median(times[1:])
+
+
+def median_in_turns(runs: Mapping[str, Callable[[], object]], rounds: int
+                    ) -> dict[str, float]:
+    """Each run's median seconds over ``rounds`` rounds of every run once, after one to warm up."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(rounds + 1):
+        for name, run in runs.items():
+            started = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - started)
+    return {name: statistics.median(seconds[1:]) for name, seconds in times.items()}
 
 
 def mean_s(run: Callable[[], object], repeats: int) -> float:

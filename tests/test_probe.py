@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
@@ -29,6 +30,7 @@ from pipec.probe import (
 from pipec.receives import MICRO_BATCHES, late_receive_s
 from pipec.relay import slowdowns
 from pipec.schedule import SCHEDULES, simulate
+from pipec.timers import median_in_turns
 
 UNMEASURED = ((0.0, 0.0),) * len(DATA_PARALLEL_SHAPES)  # the data-parallel steps, not probed
 
@@ -66,6 +68,20 @@ def test_side_by_side_reports_the_slowest_process() -> None:
         time.sleep(0.002 if os.getpid() == parent else 0.004)
 
     assert side_by_side(run, 2, rounds=3, min_seconds=0.05) == pytest.approx(2.0, rel=0.15)
+
+
+def test_schedules_are_timed_in_turns_and_medians_skip_the_warm_up() -> None:
+    """Each run once a round, in turn (a drift of the machine's speed lands on every schedule
+    alike), the first round not counted."""
+    calls: list[str] = []
+    durations = {"slow": iter([0.05, 0.004, 0.004, 0.004]), "fast": iter([0.05, 0.0, 0.0, 0.0])}
+
+    def run(name: str) -> Callable[[], None]:
+        return lambda: (calls.append(name), time.sleep(next(durations[name])))[0]
+
+    medians = median_in_turns({"slow": run("slow"), "fast": run("fast")}, rounds=3)
+    assert calls == ["slow", "fast"] * 4
+    assert 0.004 <= medians["slow"] < 0.04 and medians["fast"] < 0.004
 
 
 def test_the_link_fit_recovers_latency_and_bandwidth() -> None:
