@@ -38,7 +38,7 @@ from pipec.schedule import ZERO_BUBBLE, simulate, stage_device
 log = logging.getLogger(__name__)
 
 MEASURE_CHOICES = ("auto", "off")
-CACHE_VERSION = 14  # bump when what is measured, or how, changes
+CACHE_VERSION = 15  # bump when what is measured, or how, changes
 REPEATS = 10  # passes per micro-batch size, as pipec profile's default, at least
 # This machine's speed drifts by ±15 % from one 2-second window to the next (a shared virtual
 # machine): passes spread over this many seconds average it out.

@@ -18,7 +18,7 @@ all-reduces' in pipec.allreduces.
   stage_backward_weight, which walk the autograd graph in Python): the extra time per recorded
   operation;
 - **all-reduce**: 4 MiB over every process, as bus bandwidth 2(d−1)/d · bytes / seconds;
-- **per step**: an all-reduce of one value (train.py's loss, every step);
+- **per step**: an all-reduce of one value (train.py shares the loss every step);
 - **data-parallel steps**: a stack of linear layers trained under DistributedDataParallel over
   every process, with the loss's all-reduce, against the same steps without them, at two
   gradient sizes (pipec.measured fits DDP's time per step in context: its all-reduces start

@@ -55,10 +55,10 @@ def _loss_pass(loss_fn: Any, output: Any, target: Any, device: torch.device
 
 def data_seconds(spec: ModelSpec, sizes: list[int]) -> tuple[float, float]:
     """What train.py's synthetic data costs: sample_batch timed at each size (the median of 5)
-    as train.py calls it, seeded for the step inside a forked random state (0.26 ms of the
-    0.47 ms the MLP sample's batch of 64 took here, against 0.02 ms for sample_batch alone),
-    fitted as fixed seconds + seconds per sample. A model file with train_dataset() reads its
-    own data, which is not timed: (0, 0)."""
+    as train.py calls it, the CPU's generator seeded for the step inside a forked random state
+    (the MLP sample's batch of 64: 0.04 ms here; 0.23-0.33 ms with torch.manual_seed, as
+    train.py seeded before the fourteenth session), fitted as fixed seconds + seconds per
+    sample. A model file with train_dataset() reads its own data, which is not timed: (0, 0)."""
     if spec.has_train_dataset:
         return (0.0, 0.0)
     seconds = []
@@ -67,7 +67,7 @@ def data_seconds(spec: ModelSpec, sizes: list[int]) -> tuple[float, float]:
         for step in range(5):
             started = time.perf_counter()
             with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(step)
+                torch.default_generator.manual_seed(step)
                 spec.sample_batch(size)
             trials.append(time.perf_counter() - started)
         seconds.append(float(np.median(trials)))

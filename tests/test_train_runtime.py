@@ -185,9 +185,28 @@ def test_a_rank_without_gradients_reduces_the_norm_on_its_own_device(
     reduced: list[torch.device] = []
     monkeypatch.setattr(gradients, "dist", SimpleNamespace(
         all_reduce=lambda tensor, group: reduced.append(tensor.device)))
-    mesh = {"pp": SimpleNamespace(get_group=lambda: None)}
-    norm = gradients.clip_global_norm([torch.nn.Tanh()], 1.0, mesh, torch.device("meta"))
+    groups = gradients.Groups(pp=None, dp=None)
+    norm = gradients.clip_global_norm([torch.nn.Tanh()], 1.0, groups, torch.device("meta"))
     assert reduced == [torch.device("meta")] and norm.device == torch.device("meta")
+
+
+def test_a_step_s_data_reseeds_the_cpu_generator_alone(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step's synthetic batch is sample_batch under the CPU generator seeded for the step,
+    whatever ran before, and leaves that generator as it was. torch.manual_seed, which would also
+    reseed every GPU's generator (fork_rng(devices=[]) does not restore them: dropout's masks)
+    and costs a stack trace a step before CUDA starts, is not called."""
+    compile_to(SAMPLES / "mlp.py", tmp_path / "o", gpus=1, batch_size=16)
+    train = emitted_train(tmp_path / "o")
+    batches = train.Batches(seed=3, replica=0, global_batch=16, replicas=1)
+    torch.manual_seed(3 * 1_000_003 + 5)  # the seed train.py's step 5 uses, with --seed 3
+    expected = train.user_model.sample_batch(16)
+    monkeypatch.setattr(torch, "manual_seed", lambda *_: pytest.fail("torch.manual_seed"))
+    torch.randn(7)  # whatever ran before
+    state = torch.get_rng_state()
+    (inputs,), targets = batches(5, torch.device("cpu"))
+    assert torch.equal(inputs, expected[0]) and torch.equal(targets, expected[1])
+    assert torch.equal(torch.get_rng_state(), state)
 
 
 def test_gradient_buckets_hold_each_gradient_once_within_the_limit(tmp_path: Path) -> None:
