@@ -17,7 +17,8 @@ from pipec.schedule import ZERO_BUBBLE
 # measured ÷ predicted step time against the median ratio of its model's other plans. Over 50 plans
 # of 9 models (2026-12-02, ninth session): a median 9.9 % (75th percentile 14.7 %), raised by the
 # GPT sample on 4 processes (without it 8.6 % and 12.6 %); in the twelfth session's run 6.9 % and
-# 9.9 % over 52, in the thirteenth's 3.3 % and 8.7 % over 54, in the tenth's 6.1 % and 11.1 %,
+# 9.9 % over 52, in the thirteenth's 3.3 % and 8.7 % over 54 (in the fourteenth's, on
+# a noisy machine, 9.4 % and 15.1 %), in the tenth's 6.1 % and 11.1 %,
 # in the eighth's 5.0 % and 11.7 %, in the seventh's 8.3 % and 12.5 %. Until the twelfth
 # session the margin was the larger median of the
 # last two runs; it stays at the ninth's 9.9 %, inside the later runs' 75th percentiles (9.9 % and
