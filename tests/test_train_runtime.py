@@ -199,14 +199,15 @@ def test_a_step_s_data_reseeds_the_cpu_generator_alone(
     compile_to(SAMPLES / "mlp.py", tmp_path / "o", gpus=1, batch_size=16)
     train = emitted_train(tmp_path / "o")
     batches = train.Batches(seed=3, replica=0, global_batch=16, replicas=1)
-    torch.manual_seed(3 * 1_000_003 + 5)  # the seed train.py's step 5 uses, with --seed 3
-    expected = train.user_model.sample_batch(16)
-    monkeypatch.setattr(torch, "manual_seed", lambda *_: pytest.fail("torch.manual_seed"))
-    torch.randn(7)  # whatever ran before
-    state = torch.get_rng_state()
-    (inputs,), targets = batches(5, torch.device("cpu"))
+    with torch.random.fork_rng(devices=[]):  # the other tests' random state stays as it was
+        torch.manual_seed(3 * 1_000_003 + 5)  # the seed train.py's step 5 uses, with --seed 3
+        expected = train.user_model.sample_batch(16)
+        monkeypatch.setattr(torch, "manual_seed", lambda *_: pytest.fail("torch.manual_seed"))
+        torch.randn(7)  # whatever ran before
+        state = torch.get_rng_state()
+        (inputs,), targets = batches(5, torch.device("cpu"))
+        assert torch.equal(torch.get_rng_state(), state)
     assert torch.equal(inputs, expected[0]) and torch.equal(targets, expected[1])
-    assert torch.equal(torch.get_rng_state(), state)
 
 
 def test_gradient_buckets_hold_each_gradient_once_within_the_limit(tmp_path: Path) -> None:
