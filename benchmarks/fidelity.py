@@ -271,6 +271,7 @@ def summary(case: Case, entries: list[Entry]) -> dict[str, Any]:
         # What the compile measured, to tell later whether the machine moved since.
         "contention": (pick.plan["predicted"].get("shared_cores") or {}).get("contention"),
         "plans": [{"roles": e.roles, "plan": e.label(), "predicted_s": e.predicted_s,
+                   "boundaries": [s["nodes"] for s in e.plan["stages"]],
                    "measured_s": e.measured_s, "paired": e.paired,
                    "step_terms": e.plan["predicted"].get("step_terms", {}),
                    "critical_path": _mean_path(e)} for e in entries],

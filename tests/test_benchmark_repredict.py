@@ -1,0 +1,70 @@
+"""benchmarks/repredict.py: a saved fidelity run's plans predicted again, without launches."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from repredict import fastest_predicted_regret, median_error, plan_flags, predict_again, summary
+
+
+def test_a_plan_is_pinned_by_its_label() -> None:
+    assert plan_flags(["#4"], "2×1, m 64, zbv v=2") == [
+        "--pp", "2", "--micro-batch", "64", "--fsdp", "off", "--schedule", "zbv",
+        "--virtual-stages", "2"]
+    assert plan_flags(["best 2×2"], "2×2, m 16, gpipe, FSDP full") == [
+        "--pp", "2", "--micro-batch", "16", "--fsdp", "full", "--schedule", "gpipe"]
+    # One stage runs every schedule alike: its label's schedule is not pinned.
+    assert plan_flags(["pipec"], "1×2, m 64, 1f1b") == [
+        "--pp", "1", "--micro-batch", "64", "--fsdp", "off"]
+
+
+def test_a_baseline_is_pinned_by_its_strategy() -> None:
+    assert plan_flags(["#2", "uniform"], "2×1, m 32, 1f1b") == ["--strategy", "uniform"]
+
+
+def test_a_label_that_is_not_a_plan_is_refused() -> None:
+    with pytest.raises(SystemExit, match=r"not a fidelity\.py plan label"):
+        plan_flags(["#2"], "two stages")
+
+
+def test_the_pinned_plan_is_compiled_as_labelled(tmp_path: Path) -> None:
+    case = {"case": "mlp", "processes": 2, "batch": 64}
+    plan = {"roles": ["#4"], "plan": "2×1, m 32, interleaved v=2"}
+    compiled = predict_again(case, plan, tmp_path, hardware="a100-80g")
+    assert (compiled["pp"], compiled["dp"], compiled["micro_batch"], compiled["schedule"],
+            compiled["virtual_stages"]) == (2, 1, 32, "interleaved", 2)
+    assert compiled["predicted"]["iteration_s"] > 0
+
+
+def _case(plans: list[tuple[float, float, float]]) -> dict[str, Any]:
+    """(predicted then, predicted now, paired ratio to the pick); measured = 2 × paired."""
+    return {"case": "x", "plans": [
+        {"roles": [f"#{i}"], "plan": "2×1, m 8, gpipe", "predicted_then_s": then,
+         "predicted_s": now, "measured_s": [2 * paired], "paired": [paired], "moved": False}
+        for i, (then, now, paired) in enumerate(plans)]}
+
+
+def test_the_regret_is_that_of_the_plan_predicted_fastest() -> None:
+    case = _case([(1.0, 1.0, 1.0), (1.1, 0.9, 1.1), (1.2, 1.2, 0.95)])
+    assert fastest_predicted_regret(case) == pytest.approx(1.1 / 0.95 - 1)
+
+
+def test_the_median_error_is_over_cases_of_their_median() -> None:
+    assert median_error([_case([(1.0, 1.0, 1.0), (1.0, 1.0, 1.1), (1.0, 2.0, 1.0)])]) \
+        == pytest.approx(1.0)
+
+
+def test_the_summary_compares_then_and_now() -> None:
+    text = summary([_case([(2.0, 1.1, 1.0), (2.2, 1.0, 1.1), (2.4, 1.2, 1.2)])])
+    then, now = text.splitlines()
+    assert then == ("then: median step-time error 0.0%; between plans 0.0% (75th percentile "
+                    "0.0%); the plan predicted fastest of those measured: regret above 3 % in "
+                    "0 of 1 cases, worst 0.0%")
+    assert now.startswith("now: median step-time error 100.0%; between plans 13.4% (75th "
+                          "percentile 14.3%)")
+    assert now.endswith("regret above 3 % in 1 of 1 cases, worst 10.0%")
