@@ -142,10 +142,12 @@ def _runtime_overhead(request: PlanRequest, schedule: str) -> str:
     if not (action or step):
         return "; the training runtime's own time is not measured for this hardware"
     late = max(d.late_receive_s for d in request.devices)
+    post = max(d.p2p_post_s for d in request.devices)
+    posts = f", {duration(post)} per send or receive to another device" if post else ""
     waits = (f", {duration(late)} per input sent before its receiver asked for it"
              if late else "")
     return (f"; the training runtime's own time, {duration(action)} per forward or backward "
-            f"action{waits} and {duration(step)} per step, is included")
+            f"action{posts}{waits} and {duration(step)} per step, is included")
 
 
 def _stage_context(plan: Plan, norms: NormPlan, staged: Staged) -> dict[str, Any]:

@@ -51,9 +51,14 @@ class Device:
     # measured for this device.
     action_overhead_s: float = 0.0
     step_overhead_s: float = 0.0
-    # Per schedule, the runtime's own time per action where measured apart (its sends and
-    # receives, its bookkeeping between actions), in place of action_overhead_s.
+    # Per schedule, the runtime's own time per action (its bookkeeping between actions), in
+    # place of action_overhead_s; measured here, one fit for every schedule
+    # (pipec.measured.runtime_action_fit).
     schedule_action_s: tuple[tuple[str, float], ...] = ()
+    # What an action pays per send or receive it posts to a stage on another device, beyond
+    # the link's latency and bytes: torch's batch_isend_irecv on gloo and its wait (measured
+    # with the time per action; 0: not measured).
+    p2p_post_s: float = 0.0
     # Seconds per autograd operation of a stage that a zero-bubble schedule's split backward
     # adds (torch walks the stage's autograd graph in Python to split it).
     split_backward_node_s: float = 0.0

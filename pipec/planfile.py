@@ -47,7 +47,9 @@ def plan_dict(plan: Plan, norms: NormPlan, traced: Traced) -> dict[str, Any]:
                 "per_action": action_s(request.devices, plan.schedule),
                 "per_step": max(d.step_overhead_s for d in request.devices),
                 # An input sent before its receiver asked for it (pipec.receives).
-                "per_late_receive": max(d.late_receive_s for d in request.devices)},
+                "per_late_receive": max(d.late_receive_s for d in request.devices),
+                # Per send or receive an action posts to another device (beside per_action).
+                "per_post": max(d.p2p_post_s for d in request.devices)},
             # Inside step_terms' all_reduce term, as measured within a node (0: not): each
             # collective's wait after compute, and the work per gradient tensor (with the
             # ring's latency and bytes and the replicas' lead: blocking_all_reduce's drift × √

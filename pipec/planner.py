@@ -179,7 +179,7 @@ def _stage_plan(costs: Costs, e: Evaluated, k: int, a: int, b: int, split_s: flo
     nodes = costs.graph.nodes[a:b]
     m, sc = e.micro_batch, e.stage_costs
     # What the stage's calls take, as train.py --metrics times them: the runtime's time between
-    # actions (StageCosts.extra_action_s) is the schedule's. A zero-bubble backward is two calls.
+    # actions (StageCosts.between_s) is the schedule's. A zero-bubble backward is two calls.
     fwd = stage_fwd_s(sc, k, a, b, recompute=e.recompute[k])
     bwd = stage_bwd_s(sc, k, a, b, e.recompute[k]) + split_s
     compute = fwd + bwd

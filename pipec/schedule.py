@@ -83,6 +83,15 @@ def stage_device(schedule: str, stage: int, pp: int) -> int:
     return v_device(stage, pp) if schedule == "zbv" else stage % pp
 
 
+def posted_links(devices: list[int]) -> list[int]:
+    """Per stage (stage k runs on ``devices[k]``), how many of its boundaries cross to another
+    device: the sends and receives its forward posts, and its backward (0 where a neighbour
+    shares its device: torch hands the tensor over in place)."""
+    crossing = [a != b for a, b in itertools.pairwise(devices)]
+    return [int(k > 0 and crossing[k - 1]) + int(k < len(crossing) and crossing[k])
+            for k in range(len(devices))]
+
+
 def action_order(schedule: str, device: int, pp: int, num_micro_batches: int,
                  virtual: int = 1) -> Order:
     """The (kind, stage, micro-batch) sequence one device runs."""

@@ -20,6 +20,7 @@ from pipec.measured import (
     blocking_fit,
     cache_key,
     data_parallel_fit,
+    runtime_action_fit,
     training_threads,
 )
 from pipec.planner import Plan
@@ -94,11 +95,17 @@ def test_several_processes_measure_the_training_runtime_too(tmp_path: Path, cach
     assert (device.step_collective_s, device.allreduce_bandwidth, device.gradient_tensor_s) \
         == data_parallel_fit(RuntimeFigures(**runtime))
     assert device.action_overhead_s == runtime["action_overhead_s"]
-    assert dict(device.schedule_action_s).keys() == runtime["schedule_step_s"].keys()
+    # One time per action for every schedule, and one per send or receive: the fit of the
+    # cached steps.
+    action, post = runtime_action_fit(RuntimeFigures(**runtime))
+    schedules = sorted(runtime["schedule_step_s"])
+    assert device.schedule_action_s == tuple((s, action) for s in schedules)
+    assert device.p2p_post_s == post
     # A receive posted after its input was sent (pipec.receives): in plan.json and the report.
     assert device.late_receive_s == runtime["late_receive_s"] > 0
     predicted = json.loads((tmp_path / "a" / "plan.json").read_text())["predicted"]
     assert predicted["runtime_overhead_s"]["per_late_receive"] == device.late_receive_s
+    assert predicted["runtime_overhead_s"]["per_post"] == device.p2p_post_s
     assert "per input sent before its receiver asked for it" in \
         (tmp_path / "a" / "report.md").read_text()
     calibration = plan.request.calibration

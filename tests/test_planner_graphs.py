@@ -279,6 +279,22 @@ def test_a_late_receive_costs_what_the_device_measured() -> None:
     assert waiting.iteration_s == pytest.approx(prompt.iteration_s + 2 * 3e-3)
 
 
+def test_an_action_pays_for_each_send_or_receive_to_another_device() -> None:
+    """The same two stages (forward 8 ms, backward 16), each action posting one send or
+    receive across the boundary at 1 ms: every action on the critical path (stage 0's two
+    forwards, stage 1's four actions, stage 0's two backwards: six of them, the second forward
+    and backward of each stage overlapping the other's) is 1 ms longer. One stage posts none."""
+    graph = _chain([1e9] * 2)
+    request = _request([_device()] * 2, global_batch=16, micro_batch=8, pp=2,
+                       schedule="gpipe")
+    posting = replace(_device(), p2p_post_s=1e-3)
+    assert plan(graph, replace(request, devices=(posting,) * 2)).iteration_s \
+        == pytest.approx(72e-3 + 6e-3)
+    alone = _request([posting], global_batch=8, micro_batch=8, pp=1, schedule="gpipe")
+    assert plan(graph, alone).iteration_s == pytest.approx(
+        plan(graph, replace(alone, devices=(_device(),))).iteration_s)
+
+
 def test_a_data_parallel_step_pays_each_all_reduces_wait() -> None:
     """2 replicas of one stage holding 5 MiB of weights (latency 0, 10 GB/s links): the step's
     all-reduces are DDP's 1 MiB bucket, one for the 4 MiB left and the loss's, each paying the

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import time
@@ -19,7 +20,7 @@ from pipec.measured import (
     blocking_fit,
     data_parallel_fit,
     probe_cuts,
-    schedule_action_s,
+    runtime_action_fit,
 )
 from pipec.probe import (
     RuntimeFigures,
@@ -29,7 +30,7 @@ from pipec.probe import (
 )
 from pipec.receives import MICRO_BATCHES, late_receive_s
 from pipec.relay import slowdowns
-from pipec.schedule import SCHEDULES, simulate
+from pipec.schedule import SCHEDULES, posted_links, simulate, stage_device
 from pipec.timers import median_in_turns
 
 UNMEASURED = ((0.0, 0.0),) * len(DATA_PARALLEL_SHAPES)  # the data-parallel steps, not probed
@@ -192,22 +193,47 @@ def test_the_data_parallel_fit_reproduces_the_three_measured_steps() -> None:
     assert flat[1] == 5e9 and flat[2] < 1e-7
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
-def test_the_per_action_fit_reproduces_the_measured_step(schedule: str) -> None:
+def _probe_steps(action: float, post: float, link: float) -> dict[str, float]:
+    """Every schedule's probe step for a runtime that takes ``action`` per action and ``post``
+    per send or receive to the other device, simulated here from the probe's layout."""
+    steps = {}
+    for schedule in SCHEDULES:
+        stages = 2 if schedule in ("gpipe", "1f1b") else 4
+        devices = [stage_device(schedule, k, 2) for k in range(stages)]
+        crossing = [a != b for a, b in itertools.pairwise(devices)] + [False]
+        posts = [int(k > 0 and crossing[k - 1]) + int(crossing[k]) for k in range(stages)]
+        forward = [action + post * n + link * crossing[k] for k, n in enumerate(posts)]
+        split = schedule in ("interleaved-zb", "zbv")
+        backward = [f + action for f in forward] if split else forward
+        steps[schedule] = simulate(schedule, forward, backward, SCHEDULE_MICRO_BATCHES, 2,
+                                   weight_s=[action] * stages if split else None).iteration_s
+    return steps
+
+
+def test_the_runtime_fit_finds_the_time_per_action_and_per_post() -> None:
     link = 150e-6
-    runtime = RuntimeFigures(2, link, 1e30, 50e-6, 1e9, 1e-4, {schedule: 0.03}, 0.0, UNMEASURED,
-                             0.0, ())
-    ((name, action),) = schedule_action_s(runtime)
-    assert name == schedule and action > 0
-    stages = 2 if schedule in ("gpipe", "1f1b") else 4
-    cuts = probe_cuts(schedule, stages, link)
-    assert cuts.count(link) == (2 if schedule == "zbv" else stages - 1)  # ZB-V turns in place
-    forward = [action + c for c in cuts]
-    split = schedule in ("interleaved-zb", "zbv")
-    backward = [2 * action + c for c in cuts] if split else forward
-    step = simulate(schedule, forward, backward, SCHEDULE_MICRO_BATCHES, 2,
-                    weight_s=[action] * stages if split else None).iteration_s
-    assert step == pytest.approx(0.03, rel=1e-6)
-    # A step the links alone explain leaves nothing to the runtime.
-    assert schedule_action_s(RuntimeFigures(2, link, 1e30, 0.0, 1e9, 0.0, {schedule: 1e-6}, 0.0,
-                                            UNMEASURED, 0.0, ())) == ((schedule, 0.0),)
+    steps = _probe_steps(140e-6, 310e-6, link)
+    # ZB-V's turn is in place: 2 of its 3 boundaries cross; a loop's all do.
+    assert probe_cuts("zbv", 4, link).count(link) == 2
+    assert probe_cuts("interleaved", 4, link).count(link) == 3
+    runtime = RuntimeFigures(2, link, 1e30, 50e-6, 1e9, 1e-4, steps, 0.0, UNMEASURED, 0.0, ())
+    assert runtime_action_fit(runtime) == pytest.approx((140e-6, 310e-6), rel=1e-4)
+    # Steps the links alone explain leave nothing to the runtime; none measured, nothing.
+    fast = replace(runtime, schedule_step_s=dict.fromkeys(steps, 1e-6))
+    assert runtime_action_fit(fast) == (0.0, 0.0)
+    assert runtime_action_fit(replace(runtime, schedule_step_s={})) == (0.0, 0.0)
+
+
+def test_every_schedule_is_fitted_with_one_time_per_action() -> None:
+    steps = {**_probe_steps(100e-6, 0.0, 0.0), "gpipe": 1.0}  # GPipe's step far off
+    runtime = RuntimeFigures(2, 0.0, 1e30, 50e-6, 1e9, 1e-4, steps, 0.0, UNMEASURED, 0.0, ())
+    action, post = runtime_action_fit(runtime)
+    # Least squares: the others pull the fit towards their 100 µs, GPipe's 1 s away from it.
+    assert 100e-6 < action + post < 1.0 / (2 * SCHEDULE_MICRO_BATCHES)
+
+
+def test_a_stage_posts_a_send_or_receive_for_each_boundary_to_another_device() -> None:
+    assert posted_links([0, 1]) == [1, 1]
+    assert posted_links([0, 1, 0, 1]) == [1, 2, 2, 1]
+    assert posted_links([0, 1, 1, 0]) == [1, 1, 1, 1]  # ZB-V's turn is in place
+    assert posted_links([0]) == [0]

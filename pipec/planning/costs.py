@@ -24,7 +24,7 @@ from pipec.hardware import Device, action_s
 from pipec.normalize import resolve_norm
 from pipec.planning.sharding import HOST_BYTES, SHARDED, shard_arrays
 from pipec.planning.values import PlanRequest
-from pipec.schedule import SCHEDULES, stage_device
+from pipec.schedule import SCHEDULES, posted_links, stage_device
 
 
 @dataclass(frozen=True)
@@ -96,6 +96,9 @@ class StageCosts:
     synchronized_norm_s: np.ndarray | None = None
     # What an input sent before its receiver asked for it costs (pipec.receives).
     late_receive_s: float = 0.0
+    # Per stage, what each of its forwards and backwards pays for the sends and receives it
+    # posts to other devices (Device.p2p_post_s × schedule.posted_links); () : nothing.
+    posts_s: tuple[float, ...] = ()
 
     @functools.cached_property
     def selective_again_s(self) -> np.ndarray:
@@ -115,6 +118,15 @@ class StageCosts:
     def extra_action_s(self, schedule: str) -> float:
         """What an action of ``schedule`` costs the runtime beyond ``action_s``."""
         return dict(self.schedule_action_s).get(schedule, self.action_s) - self.action_s
+
+    def between_s(self, schedule: str, stage: int) -> float:
+        """What the runtime takes around a forward or backward call of ``stage`` under
+        ``schedule``, beyond the call (overhead_s): its time per action and the sends and
+        receives the action posts. Nothing without a schedule: the call alone, as train.py
+        --metrics times it."""
+        if not schedule:
+            return 0.0
+        return self.extra_action_s(schedule) + (self.posts_s[stage] if self.posts_s else 0.0)
 
     def stage_capacity(self, layout: Layout) -> tuple[float, ...]:
         """Per stage, the bytes it may use: its device's, less the runtime's own, shared
@@ -231,7 +243,21 @@ class Costs:
                           bwd * self.weight_share, action, self._schedule_action_s(paired),
                           self._split_backward_s(micro_batch, bwd.max(axis=0)),
                           selective * self.autograd_nodes, cores, synchronized,
-                          max(d.late_receive_s for d in self.request.devices))
+                          max(d.late_receive_s for d in self.request.devices),
+                          self._posts_s(layout))
+
+    def _posts_s(self, layout: Layout) -> tuple[float, ...]:
+        """Per stage, what its actions' sends and receives to other devices cost, × the
+        contention of every process computing rather than the probe's two: a post waits for
+        gloo's thread to get a core, which every computing process competes for. Re-predicting
+        the 4-process cases of four saved runs (benchmarks/repredict.py), the error between
+        plans was 9.4, 3.1, 5.0 and 7.8 % (median) so, 11.4, 4.7, 5.6 and 8.4 % × the probe's
+        pair's contention."""
+        cores = self.shared_cores(layout)
+        post = (cores.contention if cores else 1.0) * max(d.p2p_post_s
+                                                          for d in self.request.devices)
+        links = posted_links([layout.position(k) for k in range(layout.stages)])
+        return tuple(post * n for n in links)
 
     @staticmethod
     def _sharding_host_bytes(layout: Layout, device: Device) -> float:

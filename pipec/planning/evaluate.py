@@ -265,22 +265,23 @@ def stage_times(e: Evaluated) -> tuple[list[float], list[float]]:
 
 def stage_fwd_s(sc: StageCosts, k: int, a: int, b: int, schedule: str = "",
                 recompute: str = "none") -> float:
-    """Stage k's forward over nodes [a, b), one micro-batch, the stage's own overhead and the
-    runtime's per action under ``schedule`` included (and selective recomputation's pass)."""
+    """Stage k's forward over nodes [a, b), one micro-batch, the stage's own overhead and,
+    under ``schedule``, the runtime's around it included (StageCosts.between_s; and selective
+    recomputation's pass)."""
     selective = (float(sc.selective_pass_s[a:b].sum())
                  if recompute == "selective" and sc.selective_pass_s is not None else 0.0)
     return (float(sc.fwd_s[k, a:b].sum()) + selective + sc.overhead_s[0]
-            + sc.extra_action_s(schedule))
+            + sc.between_s(schedule, k))
 
 
 def stage_bwd_s(sc: StageCosts, k: int, a: int, b: int, recompute: str = "none",
                 schedule: str = "") -> float:
-    """Stage k's backward over nodes [a, b), one micro-batch, the stage's own overhead included;
-    when it ``recompute``s, with its nodes' forward again (selective: of the nodes whose
-    outputs it does not keep)."""
+    """Stage k's backward over nodes [a, b), one micro-batch, the stage's own overhead and,
+    under ``schedule``, the runtime's around it included; when it ``recompute``s, with its
+    nodes' forward again (selective: of the nodes whose outputs it does not keep)."""
     again = (0.0 if recompute == "none" else float(sc.fwd_s[k, a:b].sum()) if recompute == "full"
              else float(sc.selective_again_s[k, a:b].sum()))
-    return float(sc.bwd_s[k, a:b].sum()) + again + sc.overhead_s[1] + sc.extra_action_s(schedule)
+    return float(sc.bwd_s[k, a:b].sum()) + again + sc.overhead_s[1] + sc.between_s(schedule, k)
 
 
 def sync_s(costs: Costs, e: Evaluated) -> float:
