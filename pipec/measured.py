@@ -213,8 +213,8 @@ def runtime_action_fit(runtime: RuntimeFigures) -> tuple[float, float]:
 
     Least squares in the relative error, both ≥ 0, by Gauss-Newton: a step is piecewise
     linear in both. Two terms, not a time per action for each schedule: ZB-V posts a send or
-    receive in 2 of its 3 actions per stage and micro-batch, the interleaved schedules in
-    every one, and a per-schedule time per action learnt that from the probe's pipeline, where
+    receive in 2 of its 3 actions per stage and micro-batch, interleaved 1F1B in every one,
+    and a per-schedule time per action learnt that from the probe's pipeline, where
     every action waits for the other device, then charged it to every action of a real plan.
     Re-predicting 248 measured plans of seven fidelity runs (benchmarks/repredict.py), the
     error between plans of one model fell from 6.1 to 5.3 % (median), 10.9 to 9.8 % (75th

@@ -244,16 +244,15 @@ class Costs:
                           self._split_backward_s(micro_batch, bwd.max(axis=0)),
                           selective * self.autograd_nodes, cores, synchronized,
                           max(d.late_receive_s for d in self.request.devices),
-                          self._posts_s(layout))
+                          self._posts_s(layout, cores))
 
-    def _posts_s(self, layout: Layout) -> tuple[float, ...]:
+    def _posts_s(self, layout: Layout, cores: SharedCores | None) -> tuple[float, ...]:
         """Per stage, what its actions' sends and receives to other devices cost, × the
         contention of every process computing rather than the probe's two: a post waits for
         gloo's thread to get a core, which every computing process competes for. Re-predicting
         the 4-process cases of four saved runs (benchmarks/repredict.py), the error between
-        plans was 9.4, 3.1, 5.0 and 7.8 % (median) so, 11.4, 4.7, 5.6 and 8.4 % × the probe's
-        pair's contention."""
-        cores = self.shared_cores(layout)
+        plans was 9.4, 3.1, 5.0 and 7.8 % (median) so, against 11.4, 4.7, 5.6 and 8.4 % × the
+        probe's pair's contention."""
         post = (cores.contention if cores else 1.0) * max(d.p2p_post_s
                                                           for d in self.request.devices)
         links = posted_links([layout.position(k) for k in range(layout.stages)])
