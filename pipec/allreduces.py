@@ -7,6 +7,14 @@ development CPU, each one that a conv → BatchNorm → ReLU block runs forward 
 1.9 ms to a step with 0.5 ms of compute between two of them, and 3.8 ms with 12.5 ms: beyond
 the all-reduce's own 0.5 ms back to back, the replicas' compute drifts apart between two waits
 (pipec.measured fits latency + drift · √compute through the two sizes measured here).
+
+A pipeline's replicas all-reduce in groups smaller than the machine's processes (pp × dp: dp
+replicas per position), and the all-reduce on a step's critical path is the one its first
+position runs last, while the other positions' processes wait for the next step. Measured on the
+development machine with 4 processes, what DDP adds to the data-parallel probe's steps on 2 of
+them while the other 2 wait is 3.5, 10.0 and 5.1 ms, against 8.2, 19.0 and 15.0 ms on all 4
+(and 5.5, 12.5 and 7.7 ms with both pairs at once): so the probe measures each smaller group
+too (``group_data_parallel_s``), the others waiting.
 """
 
 from __future__ import annotations
@@ -54,15 +62,32 @@ def data_parallel_tensors(layers: int) -> int:
     return 2 * layers
 
 
-def data_parallel_s(width: int, layers: int) -> tuple[float, float]:
+def replica_counts(processes: int) -> list[int]:
+    """The data-parallel groups smaller than ``processes`` that a pp × dp layout of them has:
+    every dp of 2 or more dividing it, but itself."""
+    return [d for d in range(2, processes) if processes % d == 0]
+
+
+def group_data_parallel_s(rank: int, replicas: int) -> list[tuple[float, float]]:
+    """The data-parallel steps (DATA_PARALLEL_SHAPES) on ranks 0 … ``replicas`` − 1 while the
+    others wait in a barrier, holding no core ([] on those; every rank calls it)."""
+    group = dist.new_group(list(range(replicas)))
+    steps = ([data_parallel_s(*shape, group=group) for shape in DATA_PARALLEL_SHAPES]
+             if rank < replicas else [])
+    dist.barrier()
+    return steps
+
+
+def data_parallel_s(width: int, layers: int, group: Any = None) -> tuple[float, float]:
     """A training step of ``layers`` linear layers of ``width``, and what
-    DistributedDataParallel and the loss's all-reduce add to it (the medians of three rounds,
-    each alternating the two)."""
+    DistributedDataParallel and the loss's all-reduce over ``group`` (default: every process)
+    add to it (the medians of three rounds, each alternating the two)."""
     from torch.nn.parallel import DistributedDataParallel
 
     torch.manual_seed(0)
     plain = nn.Sequential(*(nn.Linear(width, width) for _ in range(layers)))
-    replicated = DistributedDataParallel(plain, gradient_as_bucket_view=True)
+    replicated = DistributedDataParallel(plain, gradient_as_bucket_view=True,
+                                         process_group=group)
     x = torch.ones(32, width)
 
     def step(model: nn.Module, synchronized: bool) -> Callable[[], None]:
@@ -73,11 +98,11 @@ def data_parallel_s(width: int, layers: int) -> tuple[float, float]:
             loss = model(x).square().mean()
             loss.backward()
             if synchronized:
-                dist.all_reduce(loss.detach())
+                dist.all_reduce(loss.detach(), group=group)
             optimizer.step()
         return run
 
-    return _timed_s(step(plain, False), step(replicated, True), 20)
+    return _timed_s(step(plain, False), step(replicated, True), 20, group)
 
 
 def blocking_s() -> list[tuple[float, float]]:
@@ -130,15 +155,15 @@ class _BlockingAllReduce(torch.autograd.Function):
         return gradient
 
 
-def _timed_s(plain: Callable[[], None], synchronized: Callable[[], None], repeats: int
-             ) -> tuple[float, float]:
+def _timed_s(plain: Callable[[], None], synchronized: Callable[[], None], repeats: int,
+             group: Any = None) -> tuple[float, float]:
     """A step of ``plain``, and what ``synchronized`` takes beyond it: the medians over three
     rounds, each timing both, the mean of ``repeats`` steps each (the waits come in rare long
-    ones)."""
+    ones); ``group``'s processes start each together."""
     alone, extra = [], []
     for _ in range(3):
-        dist.barrier()
+        dist.barrier(group=group)
         alone.append(mean_s(plain, repeats))
-        dist.barrier()
+        dist.barrier(group=group)
         extra.append(mean_s(synchronized, repeats) - alone[-1])
     return statistics.median(alone), max(statistics.median(extra), 0.0)

@@ -18,7 +18,7 @@ import jinja2
 
 from pipec import __version__
 from pipec.costmodel import usable_memory
-from pipec.hardware import action_s
+from pipec.hardware import action_s, measured_apart
 from pipec.loader import ModelSpec
 from pipec.normalize import NormPlan, to_group_norm_source
 from pipec.outdir import check_target, write_atomically
@@ -121,6 +121,10 @@ def _term_label(name: str, plan: Plan) -> str:
     term is its all-gathers and reduce-scatter."""
     if name == "all_reduce" and plan.fsdp != "off":
         return "FSDP all-gathers and reduce-scatter"
+    if name == "all_reduce" and measured_apart(plan.request.devices, plan.dp):
+        per_node = plan.request.gpus // plan.request.nodes
+        return (f"all-reduce (its waits as measured on {plan.dp} of {per_node} processes while "
+                "the others waited)")
     return name.replace("_", "-")
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +101,26 @@ class Device:
     # before the receiver asked (gloo's rendezvous waits for the busy sender's thread; measured:
     # pipec.receives; 0: not measured, the input is ready when sent).
     late_receive_s: float = 0.0
+    # Per group of fewer replicas than the node's processes (a pipeline position's dp):
+    # (replicas, step_collective_s, allreduce_bandwidth, gradient_tensor_s) measured on that
+    # many processes while the others wait, as a pipeline's last all-reduce runs (pipec.
+    # allreduces); a group not listed takes the figures above, measured on every process.
+    replica_collectives: tuple[tuple[int, float, float, float], ...] = ()
+
+
+def measured_apart(devices: tuple[Device, ...], replicas: int) -> bool:
+    """Whether a group of ``replicas`` has data-parallel figures of its own on ``devices``."""
+    return any(count == replicas for d in devices for count, *_ in d.replica_collectives)
+
+
+def for_replicas(device: Device, replicas: int) -> Device:
+    """``device`` with the data-parallel figures of a group of ``replicas``
+    (Device.replica_collectives), where measured apart."""
+    for count, collective, bandwidth, per_tensor in device.replica_collectives:
+        if count == replicas:
+            return replace(device, step_collective_s=collective, allreduce_bandwidth=bandwidth,
+                           gradient_tensor_s=per_tensor)
+    return device
 
 
 # PyTorch's cuBLAS workspace, allocated once per handle and stream through its caching allocator
@@ -224,8 +244,13 @@ def _from_json(path: Path) -> Device:
         # others numbers.
         values: dict[str, Any] = {n: float(data[n]) for n in names
                                   if n not in ("name", "device_type", "schedule_action_s",
-                                               "relay_slowdowns") and n in data}
+                                               "relay_slowdowns", "replica_collectives")
+                                  and n in data}
         values["relay_slowdowns"] = tuple(float(v) for v in data.get("relay_slowdowns", ()))
+        # replica_collectives: [[replicas, wait s, bandwidth B/s, per tensor s], ...]
+        values["replica_collectives"] = tuple(
+            (int(d), float(c), float(b), float(t))
+            for d, c, b, t in data.get("replica_collectives", ()))
         per_schedule = data.get("schedule_action_s", {})  # a mapping, or pairs (asdict)
         pairs = per_schedule.items() if isinstance(per_schedule, dict) else per_schedule
         values["schedule_action_s"] = tuple(sorted((str(k), float(v)) for k, v in pairs))

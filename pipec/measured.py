@@ -41,6 +41,9 @@ log = logging.getLogger(__name__)
 
 MEASURE_CHOICES = ("auto", "off")
 CACHE_VERSION = 15  # bump when what is measured, or how, changes
+# The runtime probe's own (pipec.probe), bumped apart so that the compute times stay cached:
+# 16 measures the smaller data-parallel groups too.
+RUNTIME_CACHE_VERSION = 16
 REPEATS = 10  # passes per micro-batch size, as pipec profile's default, at least
 # This machine's speed drifts by ±15 % from one 2-second window to the next (a shared virtual
 # machine): passes spread over this many seconds average it out.
@@ -123,7 +126,7 @@ def _runtime(target: Target, processes: int) -> RuntimeFigures | None:
     if target.device_type != "cpu" or processes < 2:
         return None
     fields = {"device": target.device_name, "threads": target.threads, "processes": processes,
-              "torch": torch.__version__, "version": CACHE_VERSION}
+              "torch": torch.__version__, "version": RUNTIME_CACHE_VERSION}
     key = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
     path = cache_dir() / f"runtime-{key[:20]}.json"
     with contextlib.suppress(OSError, ValueError, TypeError):
@@ -158,26 +161,32 @@ def _with_runtime(device: Device, runtime: RuntimeFigures) -> Device:
                    schedule_action_s=tuple((schedule, action)
                                            for schedule in sorted(runtime.schedule_step_s)),
                    p2p_post_s=post,
+                   replica_collectives=tuple((int(d), *data_parallel_fit(runtime, int(d)))
+                                             for d, _ in runtime.group_data_parallel_s),
                    split_backward_node_s=runtime.split_backward_node_s,
                    # On a GPU the policy's host time runs ahead of the kernels (hidden).
                    selective_node_s=runtime.selective_node_s
                    if device.device_type == "cpu" else 0.0)
 
 
-def data_parallel_fit(runtime: RuntimeFigures) -> tuple[float, float, float]:
+def data_parallel_fit(runtime: RuntimeFigures, replicas: int | None = None
+                      ) -> tuple[float, float, float]:
     """Each all-reduce's wait in a step, the bus bandwidth and the time per gradient tensor
-    that make the model reproduce the probe's three data-parallel steps (DATA_PARALLEL_SHAPES):
-    the all-reduces of data_parallel_collectives, the ring's latency and bytes, DDP's work per
-    gradient tensor, the runtime's step overhead, and the lead one process takes on the other
-    over the step's compute (blocking_fit's drift · √T). The third model, with as few bytes as
-    the first but 12 times its tensors, gives the time per tensor; the first, whose bytes cost
-    next to nothing, the wait; the second, the bandwidth (the all-reduce's own where its bytes
-    explain less than the noise)."""
-    share = 2 * (runtime.processes - 1) / runtime.processes  # of the bytes, over the bus
-    fixed = runtime.step_overhead_s + 2 * (runtime.processes - 1) * runtime.latency_s  # ring
+    that make the model reproduce the probe's three data-parallel steps (DATA_PARALLEL_SHAPES)
+    on every process, or on ``replicas`` of them while the others wait
+    (``group_data_parallel_s``): the all-reduces of data_parallel_collectives, the ring's
+    latency and bytes, DDP's work per gradient tensor, the runtime's step overhead, and the lead
+    one process takes on the other over the step's compute (blocking_fit's drift · √T). The
+    third model, with as few bytes as the first but 12 times its tensors, gives the time per
+    tensor; the first, whose bytes cost next to nothing, the wait; the second, the bandwidth
+    (the all-reduce's own where its bytes explain less than the noise)."""
+    d = replicas or runtime.processes
+    steps = (runtime.data_parallel_s if replicas is None
+             else dict((int(n), s) for n, s in runtime.group_data_parallel_s)[replicas])
+    share = 2 * (d - 1) / d  # of the bytes, over the bus
+    fixed = runtime.step_overhead_s + 2 * (d - 1) * runtime.latency_s  # the ring's
     drift = blocking_fit(runtime)[1]
-    small_s, large_s, many_s = (extra - drift * math.sqrt(compute)
-                                for compute, extra in runtime.data_parallel_s)
+    small_s, large_s, many_s = (extra - drift * math.sqrt(compute) for compute, extra in steps)
     small, large, many = (data_parallel_bytes(*shape) for shape in DATA_PARALLEL_SHAPES)
     small_t, large_t, many_t = (data_parallel_tensors(n) for _, n in DATA_PARALLEL_SHAPES)
     bandwidth, per_tensor, collective = runtime.allreduce_bandwidth, 0.0, 0.0

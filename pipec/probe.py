@@ -65,6 +65,8 @@ from pipec.allreduces import (
     allreduce_s,
     blocking_s,
     data_parallel_s,
+    group_data_parallel_s,
+    replica_counts,
     step_s,
 )
 from pipec.heap import keep_freed_memory
@@ -102,6 +104,9 @@ class RuntimeFigures:
     # Seconds from a receive's post to its input's arrival where the input was sent before
     # (pipec.receives; 0 with one process).
     late_receive_s: float = 0.0
+    # Per group of fewer replicas than processes (allreduces.replica_counts), as
+    # ``data_parallel_s`` on that many processes while the others wait.
+    group_data_parallel_s: tuple[tuple[int, tuple[tuple[float, float], ...]], ...] = ()
 
 
 def probe_runtime(processes: int, threads: int) -> RuntimeFigures:
@@ -168,6 +173,7 @@ def _worker(rank: int, world: int, port: int, threads: int, results: Any) -> Non
                    "split": split_backward_node_s(), "selective": selective_node_s(),
                    "allreduce": allreduce_s(), "step": step_s(),
                    "data_parallel": [data_parallel_s(*shape) for shape in DATA_PARALLEL_SHAPES],
+                   "groups": {d: group_data_parallel_s(rank, d) for d in replica_counts(world)},
                    "blocking": blocking_s(), "relay": relayed_s(rank, world),
                    "receives": chain_records(rank, world)}
         dist.destroy_process_group()
@@ -285,18 +291,21 @@ def _combine(processes: int, figures: list[dict[str, Any]]) -> RuntimeFigures:
                           {s: max(figures[0]["schedules"][s], figures[1]["schedules"][s])
                            for s in figures[0]["schedules"]},
                           statistics.median(f["split"] for f in figures),
-                          _compute_and_extra(figures, "data_parallel"),
+                          _compute_and_extra([f["data_parallel"] for f in figures]),
                           statistics.median(f["selective"] for f in figures),
-                          _compute_and_extra(figures, "blocking"))
+                          _compute_and_extra([f["blocking"] for f in figures]),
+                          group_data_parallel_s=tuple(
+                              (d, _compute_and_extra([f["groups"][d] for f in figures[:d]]))
+                              for d in replica_counts(processes)))
 
 
-def _compute_and_extra(figures: list[dict[str, Any]], probe: str
+def _compute_and_extra(steps: list[list[tuple[float, float]]]
                        ) -> tuple[tuple[float, float], ...]:
-    """Per size of ``probe``, the median compute over the processes and the largest extra
-    time: every process waits for the slowest, so each measures about the same step."""
-    return tuple((statistics.median(f[probe][i][0] for f in figures),
-                  max(f[probe][i][1] for f in figures))
-                 for i in range(len(figures[0][probe])))
+    """Per size of a probe (``steps``: each process's (compute, extra) per size), the median
+    compute over the processes and the largest extra time: every process waits for the
+    slowest, so each measures about the same step."""
+    return tuple((statistics.median(f[i][0] for f in steps), max(f[i][1] for f in steps))
+                 for i in range(len(steps[0])))
 
 
 def _fit_link(one_way: dict[int, float]) -> tuple[float, float]:

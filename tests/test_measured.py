@@ -106,6 +106,9 @@ def test_several_processes_measure_the_training_runtime_too(tmp_path: Path, cach
     predicted = json.loads((tmp_path / "a" / "plan.json").read_text())["predicted"]
     assert predicted["runtime_overhead_s"]["per_late_receive"] == device.late_receive_s
     assert predicted["runtime_overhead_s"]["per_post"] == device.p2p_post_s
+    # 2 processes have no data-parallel group smaller than all of them.
+    assert runtime["group_data_parallel_s"] == [] and device.replica_collectives == ()
+    assert predicted["data_parallel"]["measured_on"] == "every process"
     assert "per input sent before its receiver asked for it" in \
         (tmp_path / "a" / "report.md").read_text()
     calibration = plan.request.calibration

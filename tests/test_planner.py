@@ -500,7 +500,7 @@ def test_a_device_written_with_asdict_loads_back(tmp_path: Path) -> None:
 
     device = replace(PRESETS["cpu"], name="probe", schedule_action_s=(("1f1b", 3e-4),),
                      split_backward_node_s=2e-5, relay_slowdowns=(1.2, 1.4, 1.7),
-                     late_receive_s=2e-3)
+                     late_receive_s=2e-3, replica_collectives=((2, 4e-4, 2e9, 2e-5),))
     path = tmp_path / "device.json"
     path.write_text(json.dumps(asdict(device)))
     assert load_hardware(str(path)) == device
@@ -510,6 +510,9 @@ def test_a_device_written_with_asdict_loads_back(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="hardware file"):
         load_hardware(str(path))
     path.write_text(json.dumps({**asdict(device), "relay_slowdowns": 1.2}))
+    with pytest.raises(ConfigError, match="hardware file"):
+        load_hardware(str(path))
+    path.write_text(json.dumps({**asdict(device), "replica_collectives": [[2, 4e-4]]}))
     with pytest.raises(ConfigError, match="hardware file"):
         load_hardware(str(path))
 
@@ -536,6 +539,26 @@ def test_each_all_reduce_of_a_data_parallel_step_pays_the_wait(tmp_path: Path) -
     predicted = json.loads((tmp_path / "0.001" / "plan.json").read_text())["predicted"]
     assert predicted["synchronized_norm_s"] == plans[1e-3].synchronized_norm_s > 2 * norms * 2e-3
     assert "the wait of one after compute" in (tmp_path / "0.001" / "report.md").read_text()
+
+
+def test_plan_json_gives_the_data_parallel_figures_of_the_plans_replicas(tmp_path: Path) -> None:
+    # 4 processes: 2 pipeline devices × 2 replicas take the figures measured on a group of 2
+    # (Device.replica_collectives); 4 replicas, those measured on all 4.
+    path = tmp_path / "cpu.json"
+    path.write_text(json.dumps({**asdict(PRESETS["cpu"]), "step_collective_s": 7e-3,
+                                "gradient_tensor_s": 3e-5,
+                                "replica_collectives": [[2, 2e-3, 1e9, 1e-5]]}))
+    for pp, (wait, per_tensor, where) in ((2, (2e-3, 1e-5, "2 of 4 processes, the others waiting")),
+                                          (1, (7e-3, 3e-5, "every process"))):
+        compile_to(SAMPLES / "mlp.py", tmp_path / str(pp), gpus=4, pp=pp, batch_size=32,
+                   hardware=str(path))
+        predicted = json.loads((tmp_path / str(pp) / "plan.json").read_text())["predicted"]
+        assert predicted["data_parallel"] == {"wait_per_all_reduce_s": wait,
+                                              "per_gradient_tensor_s": per_tensor,
+                                              "measured_on": where}
+    assert "all-reduce (its waits as measured on 2 of 4 processes while the others waited)" in \
+        (tmp_path / "2" / "report.md").read_text()
+    assert "all-reduce (its" not in (tmp_path / "1" / "report.md").read_text()
 
 
 def test_a_synchronized_batch_norm_pays_the_measured_blocking_wait(tmp_path: Path) -> None:

@@ -330,6 +330,24 @@ def test_a_data_parallel_step_pays_ddps_work_per_gradient_tensor() -> None:
         pytest.approx(plan(graph, four).iteration_s + 3 * 30e-6)
 
 
+def test_replicas_fewer_than_the_processes_pay_their_groups_measured_figures() -> None:
+    """4 processes, 5 MiB of weights on the first node: 2 pipeline devices × 2 replicas pay the
+    wait measured on 2 processes while the other 2 waited (2 ms, Device.replica_collectives),
+    and its time per gradient tensor; 4 replicas of one stage, the figures measured on all 4
+    (7 ms). Each pays the 3 all-reduces of its 5 MiB (two DDP buckets and the loss's), the
+    first for its 3 gradient tensors too."""
+    graph = _chain([1e9] * 2, param_bytes=[5 * MIB, 0])
+    nodes = tuple(replace(n, param_tensors=t) for n, t in zip(graph.nodes, (3, 2), strict=True))
+    graph = replace(graph, nodes=nodes)
+    every = replace(_device(), step_collective_s=7e-3)
+    grouped = replace(every, replica_collectives=((2, 2e-3, 1e10, 30e-6),))
+    request = _request([_device()] * 4, global_batch=32, micro_batch=8, schedule="gpipe")
+    for pp, extra in ((2, 3 * 2e-3 + 3 * 30e-6), (1, 3 * 7e-3)):
+        plain = plan(graph, replace(request, pp=pp)).iteration_s
+        assert plan(graph, replace(request, pp=pp, devices=(grouped,) * 4)).iteration_s \
+            == pytest.approx(plain + extra)
+
+
 def test_a_data_parallel_step_pays_the_lead_one_replica_takes_over_its_compute() -> None:
     """The same 2 replicas, one micro-batch of 8 each: 16 ms forward and 32 ms backward without
     a wait for the other replica, whose lead at the step's all-reduces is measured as 10 ms/√s

@@ -8,15 +8,25 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from pipec.actions import SCHEDULE_MICRO_BATCHES
-from pipec.allreduces import DATA_PARALLEL_SHAPES, data_parallel_bytes, data_parallel_tensors
+from pipec.allreduces import (
+    DATA_PARALLEL_SHAPES,
+    data_parallel_bytes,
+    data_parallel_tensors,
+    group_data_parallel_s,
+    replica_counts,
+)
 from pipec.costmodel import allreduce_s, data_parallel_collectives
 from pipec.hardware import PRESETS
 from pipec.measured import (
+    _with_runtime,
     blocking_fit,
     data_parallel_fit,
     probe_cuts,
@@ -25,6 +35,7 @@ from pipec.measured import (
 from pipec.probe import (
     RuntimeFigures,
     _fit_link,
+    _free_port,
     probe_runtime,
     side_by_side,
 )
@@ -191,6 +202,63 @@ def test_the_data_parallel_fit_reproduces_the_three_measured_steps() -> None:
     flat = data_parallel_fit(replace(runtime, blocking_s=(),
                                      data_parallel_s=((0.0, added(nbytes[0], 8, 0.0)),) * 3))
     assert flat[1] == 5e9 and flat[2] < 1e-7
+
+
+def _group_steps(replicas: int, wait: float, per_tensor: float
+                 ) -> tuple[tuple[float, float], ...]:
+    """The data-parallel probe's three steps on ``replicas`` processes of a machine whose ring
+    pays 100 µs per latency and 1 GB/s on its bus, the loss's all-reduce 0.3 ms (the step
+    overhead), each all-reduce ``wait`` and each tensor ``per_tensor``; no drift."""
+    nbytes = [data_parallel_bytes(*shape) for shape in DATA_PARALLEL_SHAPES]
+    tensors = [data_parallel_tensors(layers) for _, layers in DATA_PARALLEL_SHAPES]
+    ring = 2 * (replicas - 1)
+    return tuple((1e-3, 0.3e-3 + ring * 100e-6 + data_parallel_collectives(b) * wait
+                  + ring / replicas * b / 1e9 + t * per_tensor)
+                 for b, t in zip(nbytes, tensors, strict=True))
+
+
+def test_a_smaller_groups_fit_takes_its_own_ring_and_steps() -> None:
+    """4 processes whose all-reduces wait 0.5 ms and 20 µs per tensor on all 4, but 0.2 ms and
+    8 µs on 2 of them while the other 2 wait: each fit finds its own group's, through its own
+    ring (6 latencies and 1.5 × the bytes on 4; 2 and 1 × on 2)."""
+    runtime = RuntimeFigures(4, 100e-6, 1e30, 0.0, 5e9, 0.3e-3, {}, 0.0,
+                             _group_steps(4, 0.5e-3, 20e-6), 0.0, (),
+                             group_data_parallel_s=((2, _group_steps(2, 0.2e-3, 8e-6)),))
+    assert data_parallel_fit(runtime) == pytest.approx((0.5e-3, 1e9, 20e-6), rel=1e-5)
+    assert data_parallel_fit(runtime, 2) == pytest.approx((0.2e-3, 1e9, 8e-6), rel=1e-5)
+    # The measured device carries the group's fit beside the every-process figures.
+    device = _with_runtime(PRESETS["cpu"], runtime)
+    assert device.replica_collectives == ((2, *data_parallel_fit(runtime, 2)),)
+    assert (device.step_collective_s, device.gradient_tensor_s) == pytest.approx((0.5e-3, 20e-6),
+                                                                                rel=1e-5)
+
+
+def _run_group_probe(rank: int, port: int, results: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=4)
+    results.put((rank, group_data_parallel_s(rank, 2)))
+    dist.destroy_process_group()
+
+
+def test_the_group_probe_measures_on_its_replicas_while_the_others_wait() -> None:
+    """Real gloo processes: ranks 0 and 1 time the three data-parallel steps over their group
+    (a step, and what DDP adds to it); ranks 2 and 3 only wait."""
+    assert replica_counts(4) == [2] and replica_counts(2) == [] and replica_counts(8) == [2, 4]
+    context = mp.get_context("fork")
+    results = context.Queue()
+    port = _free_port()
+    workers = [context.Process(target=_run_group_probe, args=(rank, port, results))
+               for rank in range(4)]
+    for worker in workers:
+        worker.start()
+    steps = dict(results.get(timeout=120) for _ in workers)
+    for worker in workers:
+        worker.join(timeout=10)
+    assert steps[2] == steps[3] == []
+    for rank in (0, 1):
+        assert len(steps[rank]) == len(DATA_PARALLEL_SHAPES)
+        assert all(compute > 0 and extra > 0 for compute, extra in steps[rank])
 
 
 def _probe_steps(action: float, post: float, link: float) -> dict[str, float]:
