@@ -14,14 +14,16 @@ errors; then, then and now:
   plans, and what planning.choice's margin must cover;
 - the regret of the plan predicted fastest among those the run measured (its step ÷ the
   fastest measured, from the run's paired launches): the margin and the complexity order left
-  out, so a change to the model alone shows.
+  out, so a change to the model alone shows;
+- now, the regret of the plan planning.choice keeps among those measured, at the present
+  decision margin and at others (`--margins`): how much the margin costs or saves.
 
 The planner solves each plan's stage boundaries again: where the model's change moves them, the
 plan compiled is not quite the plan measured (`boundaries` in the JSON, since the fifteenth
 session's runs, tells: such plans are marked *).
 
-    python benchmarks/repredict.py docs/fidelity.json [--only NAME ...] [--cache DIR]
-                                   [--json FILE]
+    python benchmarks/repredict.py docs/fidelity.json [MORE.json ...] [--only NAME ...]
+                                   [--cache DIR] [--margins PERCENT ...] [--json FILE]
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from fidelity import BASELINES, CASES, between_plans
 from tabulate import tabulate
 
 from pipec.cli import main as pipec
+from pipec.planning.choice import MEASURED_MARGIN, complexity, simpler
 
 _LABEL = re.compile(r"(\d+)×(\d+), m (\d+), ([\w-]+)(?: v=(\d+))?(?:, FSDP ([\w-]+))?$")
 
@@ -95,7 +98,10 @@ def repredicted(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
             boundaries = [s["nodes"] for s in now["stages"]]
             plans.append({**plan, "predicted_then_s": plan["predicted_s"],
                           "predicted_s": now["predicted"]["iteration_s"],
-                          "moved": "boundaries" in plan and plan["boundaries"] != boundaries})
+                          "moved": "boundaries" in plan and plan["boundaries"] != boundaries,
+                          "complexity": list(complexity(
+                              now["virtual_stages"], now["schedule"], now["pp"],
+                              now["micro_batch"], now["fsdp"]))})
         again.append({**case, "plans": plans})
         print(f"\n### {case['case']}\n\n{table(plans)}", flush=True)
     return again
@@ -129,6 +135,30 @@ def fastest_predicted_regret(case: dict[str, Any]) -> float:
     return statistics.median(chosen["paired"]) / best - 1
 
 
+def kept_regret(case: dict[str, Any], margin: float) -> float:
+    """The regret of the plan planning.choice keeps among the measured ones at ``margin``: the
+    fastest of the simplest within the margin of the fastest predicted."""
+    best = min(p["predicted_s"] for p in case["plans"])
+    within = [p for p in case["plans"] if p["predicted_s"] <= best * (1 + margin)]
+    simplest = [p for p in within
+                if not any(simpler(tuple(o["complexity"]), tuple(p["complexity"]))
+                           for o in within)]
+    kept = min(simplest, key=lambda p: p["predicted_s"])
+    return statistics.median(kept["paired"]) / min(statistics.median(p["paired"])
+                                                   for p in case["plans"]) - 1
+
+
+def margin_lines(results: list[dict[str, Any]], margins: list[float]) -> str:
+    lines = []
+    for margin in sorted({*margins, MEASURED_MARGIN}):
+        regrets = [kept_regret(r, margin) for r in results]
+        present = " (the present margin)" if margin == MEASURED_MARGIN else ""
+        lines.append(f"kept at a margin of {margin:.1%}{present}: regret above 3 % in "
+                     f"{sum(g > 0.03 for g in regrets)} of {len(regrets)} cases, mean "
+                     f"{statistics.mean(regrets):.1%}, worst {max(regrets):.1%}")
+    return "\n".join(lines)
+
+
 def summary(results: list[dict[str, Any]]) -> str:
     then = [{**r, "plans": [{**p, "predicted_s": p["predicted_then_s"]} for p in r["plans"]]}
             for r in results]
@@ -144,7 +174,16 @@ def summary(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def read_run(path: Path, only: list[str] | None) -> list[dict[str, Any]]:
+def read_runs(paths: list[Path], only: list[str] | None) -> list[dict[str, Any]]:
+    """The cases of every run in ``paths`` (``only`` those named), one after another."""
+    chosen = [r for path in paths for r in read_run(path)
+              if only is None or r["case"] in only]
+    if not chosen:
+        raise SystemExit(f"{', '.join(map(str, paths))}: no case named {', '.join(only or [])}")
+    return chosen
+
+
+def read_run(path: Path) -> list[dict[str, Any]]:
     try:
         results: list[dict[str, Any]] = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
@@ -153,26 +192,26 @@ def read_run(path: Path, only: list[str] | None) -> list[dict[str, Any]]:
                                                 for p in r.get("plans", [])):
         raise SystemExit(f"{path}: not a fidelity.py --json run with paired launches (the "
                          "fifth session's on)")
-    chosen = [r for r in results if only is None or r["case"] in only]
-    if not chosen:
-        raise SystemExit(f"{path}: no case named {', '.join(only or [])}")
-    return chosen
+    return results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("run", type=Path, help="a fidelity.py --json file")
+    parser.add_argument("runs", type=Path, nargs="+",
+                        help="fidelity.py --json files (several: scored as one)")
     parser.add_argument("--only", nargs="*", default=None, help="case names")
     parser.add_argument("--cache", type=Path, default=None,
                         help="pipec's measurement cache to plan from (default: pipec's own)")
     parser.add_argument("--json", type=Path, default=None,
                         help="write the run with the present predictions here")
+    parser.add_argument("--margins", nargs="*", type=float, default=[0.0, 2.0, 5.0, 13.0],
+                        metavar="PERCENT", help="decision margins to score beside the present")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # as fidelity.py compiles (commands.run)
     if args.cache:
         os.environ["PIPEC_CACHE_DIR"] = str(args.cache)
-    results = repredicted(read_run(args.run, args.only))
-    print(f"\n{summary(results)}")
+    results = repredicted(read_runs(args.runs, args.only))
+    print(f"\n{summary(results)}\n{margin_lines(results, [m / 100 for m in args.margins])}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -9,7 +10,18 @@ from typing import Any
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from repredict import fastest_predicted_regret, median_error, plan_flags, predict_again, summary
+from repredict import (
+    fastest_predicted_regret,
+    kept_regret,
+    margin_lines,
+    median_error,
+    plan_flags,
+    predict_again,
+    read_runs,
+    summary,
+)
+
+from pipec.planning.choice import MEASURED_MARGIN, complexity
 
 
 def test_a_plan_is_pinned_by_its_label() -> None:
@@ -68,3 +80,32 @@ def test_the_summary_compares_then_and_now() -> None:
     assert now.startswith("now: median step-time error 100.0%; between plans 13.4% (75th "
                           "percentile 14.3%)")
     assert now.endswith("regret above 3 % in 1 of 1 cases, worst 10.0%")
+
+
+def test_the_kept_plan_is_the_simplest_within_the_margin() -> None:
+    """A smaller micro-batch predicted 5 % faster than the plan at 16, which measured 4 %
+    faster: kept at a margin of 2 %, not at 9.9 %, where the plan at 16 is kept (regret 4.2 %)."""
+    case = {"case": "x", "plans": [
+        {"predicted_s": 1.00, "paired": [1.0], "complexity": list(complexity(1, "1f1b", 2, 16,
+                                                                             "off"))},
+        {"predicted_s": 0.95, "paired": [0.96], "complexity": list(complexity(1, "1f1b", 2, 8,
+                                                                              "off"))}]}
+    assert kept_regret(case, 0.02) == pytest.approx(0.0)
+    assert kept_regret(case, 0.099) == pytest.approx(1 / 0.96 - 1)
+    lines = margin_lines([case], [0.02]).splitlines()
+    assert lines[0] == ("kept at a margin of 2.0%: regret above 3 % in 0 of 1 cases, mean 0.0%, "
+                        "worst 0.0%")
+    assert lines[1].startswith(f"kept at a margin of {MEASURED_MARGIN:.1%} (the present "
+                               "margin): regret above 3 % in 1 of 1 cases")
+
+
+def test_several_runs_are_read_as_one_and_a_missing_case_is_refused(tmp_path: Path) -> None:
+    runs = []
+    for name in ("gpt", "mlp"):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps([{"case": name, "plans": [{"paired": [1.0]}]}]))
+        runs.append(path)
+    assert [r["case"] for r in read_runs(runs, None)] == ["gpt", "mlp"]
+    assert [r["case"] for r in read_runs(runs, ["mlp"])] == ["mlp"]
+    with pytest.raises(SystemExit, match="no case named unet"):
+        read_runs(runs, ["unet"])
