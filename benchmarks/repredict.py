@@ -1,8 +1,8 @@
 """Score the present time model against a saved fidelity run: no launches, only compiles.
 
 Every plan a `benchmarks/fidelity.py --json` run trained is compiled again with the present
-pipec, pinned to the run's layout, micro-batch, schedule and virtual stages (a baseline to its
-`--strategy`), and its step predicted again from this machine's measurements (pipec's cache,
+pipec, pinned to the run's layout, micro-batch, schedule and virtual stages (a baseline with its
+`--strategy` too), and its step predicted again from this machine's measurements (pipec's cache,
 measured once where missing: `--cache DIR` keeps them apart). The run's measured steps do not
 change, so a change to the model is judged on an hour of launches in well under a minute
 (re-predicting the 54 plans of the fourteenth session's run: 32 s with its measurements
@@ -32,6 +32,7 @@ import argparse
 import contextlib
 import io
 import json
+import math
 import os
 import re
 import statistics
@@ -50,12 +51,12 @@ _LABEL = re.compile(r"(\d+)×(\d+), m (\d+), ([\w-]+)(?: v=(\d+))?(?:, FSDP ([\w
 
 
 def plan_flags(roles: list[str], label: str) -> list[str]:
-    """`pipec compile`'s flags that pin a saved plan: a baseline's strategy, else the label's
-    (fidelity.Entry.label: "2×1, m 64, zbv v=2") layout, micro-batch, schedule, virtual
-    stages and sharding."""
+    """`pipec compile`'s flags that pin a saved plan: the label's (fidelity.Entry.label:
+    "2×1, m 64, zbv v=2") layout, micro-batch, schedule, virtual stages and sharding, and a
+    baseline's strategy for its boundaries (its point pinned too: the strategy's own choice of
+    point moves with the measurements, and the plan measured is the one to predict)."""
     baseline = next((r for r in roles if r in BASELINES), None)
-    if baseline:
-        return ["--strategy", baseline]
+    strategy = ["--strategy", baseline] if baseline else []
     match = _LABEL.match(label)
     if match is None:
         raise SystemExit(f"plan {label!r}: not a fidelity.py plan label (pp×dp, m N, schedule)")
@@ -63,7 +64,7 @@ def plan_flags(roles: list[str], label: str) -> list[str]:
     flags = ["--pp", pp, "--micro-batch", micro_batch, "--fsdp", fsdp or "off"]
     if int(pp) > 1:  # one stage runs every schedule alike ("-" in its key)
         flags += ["--schedule", schedule]
-    return flags + (["--virtual-stages", virtual] if virtual else [])
+    return strategy + flags + (["--virtual-stages", virtual] if virtual else [])
 
 
 def predict_again(case: dict[str, Any], plan: dict[str, Any], work: Path,
@@ -150,9 +151,9 @@ def kept_regret(case: dict[str, Any], margin: float) -> float:
 
 def margin_lines(results: list[dict[str, Any]], margins: list[float]) -> str:
     lines = []
-    for margin in sorted({*margins, MEASURED_MARGIN}):
+    for margin in sorted({round(m, 6) for m in (*margins, MEASURED_MARGIN)}):
         regrets = [kept_regret(r, margin) for r in results]
-        present = " (the present margin)" if margin == MEASURED_MARGIN else ""
+        present = " (the present margin)" if math.isclose(margin, MEASURED_MARGIN) else ""
         lines.append(f"kept at a margin of {margin:.1%}{present}: regret above 3 % in "
                      f"{sum(g > 0.03 for g in regrets)} of {len(regrets)} cases, mean "
                      f"{statistics.mean(regrets):.1%}, worst {max(regrets):.1%}")

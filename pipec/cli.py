@@ -124,7 +124,7 @@ def _add_compile(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument("--margin", type=_percent, default=None, metavar="PERCENT",
                    help="a more complex plan (interleaving, more stages, a smaller micro-batch) "
                    "must be predicted this much faster than a simpler one to win (default: the "
-                   "time model's measured error, 5.4 %% with measured times, 13 %% from a preset)")
+                   "time model's measured error, 5.2 %% with measured times, 13 %% from a preset)")
     p.add_argument("--strategy", choices=STRATEGIES, default="pipec",
                    help="emit pipec's plan (default) or a baseline's, to compare them")
     p.add_argument("--frontend", choices=FRONTENDS, default="auto",

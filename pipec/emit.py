@@ -18,12 +18,13 @@ import jinja2
 
 from pipec import __version__
 from pipec.costmodel import usable_memory
-from pipec.hardware import action_s, measured_apart
+from pipec.hardware import action_s
 from pipec.loader import ModelSpec
 from pipec.normalize import NormPlan, to_group_norm_source
 from pipec.outdir import check_target, write_atomically
 from pipec.planfile import plan_dict, plan_id
 from pipec.planner import Plan, PlanRequest
+from pipec.planning.evaluate import group_figures_used
 from pipec.report import (
     baseline_table,
     decision_text,
@@ -119,13 +120,14 @@ def _context(spec: ModelSpec, traced: Traced, plan: Plan, norms: NormPlan,
 def _term_label(name: str, plan: Plan) -> str:
     """A step term's name in the report (plan.json keeps the key): under FSDP the data-parallel
     term is its all-gathers and reduce-scatter."""
-    if name == "all_reduce" and plan.fsdp != "off":
-        return "FSDP all-gathers and reduce-scatter"
-    if name == "all_reduce" and measured_apart(plan.request.devices, plan.dp):
+    if name != "all_reduce":
+        return name.replace("_", "-")
+    label = "FSDP all-gathers and reduce-scatter" if plan.fsdp != "off" else "all-reduce"
+    if group_figures_used(plan.request, plan.pp, plan.dp, plan.replicas_inner):
         per_node = plan.request.gpus // plan.request.nodes
-        return (f"all-reduce (its waits as measured on {plan.dp} of {per_node} processes while "
-                "the others waited)")
-    return name.replace("_", "-")
+        label += (f" (its waits as measured on {plan.dp} of {per_node} processes while the "
+                  "others waited)")
+    return label
 
 
 def _time_source(request: PlanRequest) -> str:

@@ -40,9 +40,10 @@ from pipec.schedule import ZERO_BUBBLE, posted_links, simulate, stage_device
 log = logging.getLogger(__name__)
 
 MEASURE_CHOICES = ("auto", "off")
-CACHE_VERSION = 15  # bump when what is measured, or how, changes
-# The runtime probe's own (pipec.probe), bumped apart so that the compute times stay cached:
-# 16 measures the smaller data-parallel groups too.
+# The compute times' cache: bump when what is measured for them, or how, changes.
+CACHE_VERSION = 15
+# The runtime probe's (pipec.probe), bumped apart so that the compute times stay cached: 16
+# measures the smaller data-parallel groups too.
 RUNTIME_CACHE_VERSION = 16
 REPEATS = 10  # passes per micro-batch size, as pipec profile's default, at least
 # This machine's speed drifts by ±15 % from one 2-second window to the next (a shared virtual

@@ -10,10 +10,11 @@ from dataclasses import asdict
 from typing import Any
 
 from pipec.devicepeak import apart_bytes
-from pipec.hardware import action_s, for_replicas, measured_apart
+from pipec.hardware import action_s, for_replicas
 from pipec.normalize import NormPlan
 from pipec.planner import Plan
 from pipec.planning.costs import shared_cores
+from pipec.planning.evaluate import group_figures_used
 from pipec.planning.values import PlanRequest
 from pipec.stagememory import StageMemory
 from pipec.trace import Traced
@@ -54,8 +55,9 @@ def plan_dict(plan: Plan, norms: NormPlan, traced: Traced) -> dict[str, Any]:
             # collective's wait after compute, and the work per gradient tensor (with the
             # ring's latency and bytes and the replicas' lead: blocking_all_reduce's drift × √
             # of the step's compute), under DDP and FSDP alike; measured_on: on every process,
-            # or on the plan's dp of them while the others waited (Device.replica_collectives).
-            "data_parallel": _data_parallel(request, plan.dp),
+            # or on the plan's dp of them while the others waited (Device.replica_collectives),
+            # or "no replicas" / "not measured".
+            "data_parallel": _data_parallel(plan),
             "shared_cores": _shared_cores(request, plan.dp),
             # Inside the stages' times: what the synchronized BatchNorms wait a step, and an
             # all-reduce blocking a pass as measured (pipec.allreduces; 0, 0: not measured);
@@ -114,14 +116,16 @@ def _decision(plan: Plan) -> dict[str, Any] | None:
                 "step_time_relative": decision.runner_up_relative}}
 
 
-def _data_parallel(request: PlanRequest, replicas: int) -> dict[str, Any]:
+def _data_parallel(plan: Plan) -> dict[str, Any]:
     """The data-parallel figures the plan's replicas pay within a node, the slowest device's."""
-    devices = [for_replicas(d, replicas) for d in request.devices]
-    apart = measured_apart(request.devices, replicas)
+    request, replicas = plan.request, plan.dp
+    apart = group_figures_used(request, plan.pp, replicas, plan.replicas_inner)
+    devices = [for_replicas(d, replicas) if apart else d for d in request.devices]
     wait = max(d.step_collective_s for d in devices)
     per_tensor = max(d.gradient_tensor_s for d in devices)
     where = (f"{replicas} of {request.gpus // request.nodes} processes, the others waiting"
-             if apart else "every process" if wait or per_tensor else "not measured")
+             if apart else "no replicas" if replicas < 2
+             else "every process" if wait or per_tensor else "not measured")
     return {"wait_per_all_reduce_s": wait, "per_gradient_tensor_s": per_tensor,
             "measured_on": where}
 

@@ -22,7 +22,8 @@ all-reduces' in pipec.allreduces.
 - **data-parallel steps**: a stack of linear layers trained under DistributedDataParallel over
   every process, with the loss's all-reduce, against the same steps without them, at two
   gradient sizes (pipec.measured fits DDP's time per step in context: its all-reduces start
-  after compute, when gloo's threads must wake on cores the training keeps busy);
+  after compute, when gloo's threads must wake on cores the training keeps busy), and again
+  on each smaller group a pp × dp layout has (2 of 4 processes), the others waiting;
 - **blocking all-reduces**: conv → BatchNorm → ReLU blocks with an all-reduce of a BatchNorm's
   statistics after each, forward and backward, against the same blocks without, at two image
   sizes: what a synchronized BatchNorm's waits cost in a pass (pipec.allreduces);

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import datetime
 import itertools
+import json
 import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Any
 
 import pytest
@@ -124,6 +126,9 @@ def test_four_processes_on_this_machine() -> None:
     (small_s, small), (large_s, large), (many_s, many) = figures.data_parallel_s
     assert 0 < small < large and many > 0
     assert 0 < small_s < min(large_s, many_s)  # without DDP: wider or more layers, more time
+    # And again on 2 of the 4 processes while the others wait: its own three steps.
+    assert [d for d, _ in figures.group_data_parallel_s] == [2]
+    assert all(compute > 0 and extra >= 0 for compute, extra in figures.group_data_parallel_s[0][1])
     # An all-reduce blocking a pass adds to it (16² against 64² images: 0.5 and 5 ms of compute
     # between two here). More after more compute on 2 processes, but 4 sharing 2 cores put the
     # two either way round (8.1 against 7.7 ms once): blocking_fit then fits no growth.
@@ -226,8 +231,11 @@ def test_a_smaller_groups_fit_takes_its_own_ring_and_steps() -> None:
                              group_data_parallel_s=((2, _group_steps(2, 0.2e-3, 8e-6)),))
     assert data_parallel_fit(runtime) == pytest.approx((0.5e-3, 1e9, 20e-6), rel=1e-5)
     assert data_parallel_fit(runtime, 2) == pytest.approx((0.2e-3, 1e9, 8e-6), rel=1e-5)
-    # The measured device carries the group's fit beside the every-process figures.
+    # The measured device carries the group's fit beside the every-process figures, also from
+    # the cache's JSON (lists for tuples).
     device = _with_runtime(PRESETS["cpu"], runtime)
+    cached = RuntimeFigures(**json.loads(json.dumps(asdict(runtime))))
+    assert _with_runtime(PRESETS["cpu"], cached) == device
     assert device.replica_collectives == ((2, *data_parallel_fit(runtime, 2)),)
     assert (device.step_collective_s, device.gradient_tensor_s) == pytest.approx((0.5e-3, 20e-6),
                                                                                 rel=1e-5)
@@ -236,9 +244,14 @@ def test_a_smaller_groups_fit_takes_its_own_ring_and_steps() -> None:
 def _run_group_probe(rank: int, port: int, results: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=4)
-    results.put((rank, group_data_parallel_s(rank, 2)))
-    dist.destroy_process_group()
+    dist.init_process_group("gloo", rank=rank, world_size=4,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        results.put((rank, group_data_parallel_s(rank, 2)))
+    except Exception as exc:  # the parent fails the test instead of waiting for the others
+        results.put((rank, repr(exc)))
+    finally:
+        dist.destroy_process_group()
 
 
 def test_the_group_probe_measures_on_its_replicas_while_the_others_wait() -> None:
@@ -252,9 +265,13 @@ def test_the_group_probe_measures_on_its_replicas_while_the_others_wait() -> Non
                for rank in range(4)]
     for worker in workers:
         worker.start()
-    steps = dict(results.get(timeout=120) for _ in workers)
-    for worker in workers:
-        worker.join(timeout=10)
+    try:
+        steps = dict(results.get(timeout=120) for _ in workers)
+    finally:
+        for worker in workers:
+            worker.join(timeout=10)
+            if worker.is_alive():
+                worker.terminate()
     assert steps[2] == steps[3] == []
     for rank in (0, 1):
         assert len(steps[rank]) == len(DATA_PARALLEL_SHAPES)

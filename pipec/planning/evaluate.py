@@ -17,10 +17,11 @@ from pipec.costmodel import (
     spans_nodes,
 )
 from pipec.devicepeak import apart_bytes
-from pipec.hardware import for_replicas
+from pipec.hardware import for_replicas, measured_apart
 from pipec.planning.balance import Balance, boundaries
 from pipec.planning.costs import Costs, Layout, Point, StageCosts
 from pipec.planning.sharding import SHARDED, collective_count, collectives_s
+from pipec.planning.values import PlanRequest
 from pipec.schedule import (
     HOLDS_SENDS,
     SCHEDULES,
@@ -307,6 +308,15 @@ def _unsynchronized_s(e: Evaluated, position: int, spans: list[tuple[int, int]],
                                         for a, b in _spans_on(e, spans, position)):
         return 0.0
     return e.num_micro_batches * sum(fwd[k] + bwd[k] for k in e.layout.stages_on(position))
+
+
+def group_figures_used(request: PlanRequest, pp: int, dp: int, replicas_inner: bool) -> bool:
+    """Whether some position's replicas pay their group's own data-parallel figures
+    (Device.replica_collectives, measured for ``dp`` replicas), as _collectives_s charges them:
+    only a group within a node."""
+    per_node = request.gpus // request.nodes
+    return dp >= 2 and measured_apart(request.devices, dp) and any(
+        not spans_nodes(p, pp, dp, per_node, replicas_inner) for p in range(pp))
 
 
 def _collectives_s(costs: Costs, e: Evaluated, position: int,
