@@ -108,14 +108,9 @@ class Device:
     replica_collectives: tuple[tuple[int, float, float, float], ...] = ()
 
 
-def measured_apart(devices: tuple[Device, ...], replicas: int) -> bool:
-    """Whether a group of ``replicas`` has data-parallel figures of its own on ``devices``."""
-    return any(count == replicas for d in devices for count, *_ in d.replica_collectives)
-
-
 def for_replicas(device: Device, replicas: int) -> Device:
     """``device`` with the data-parallel figures of a group of ``replicas``
-    (Device.replica_collectives), where measured apart."""
+    (Device.replica_collectives), where measured apart; else ``device`` itself."""
     for count, collective, bandwidth, per_tensor in device.replica_collectives:
         if count == replicas:
             return replace(device, step_collective_s=collective, allreduce_bandwidth=bandwidth,

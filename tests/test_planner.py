@@ -543,13 +543,15 @@ def test_each_all_reduce_of_a_data_parallel_step_pays_the_wait(tmp_path: Path) -
 
 def test_plan_json_gives_the_data_parallel_figures_of_the_plans_replicas(tmp_path: Path) -> None:
     # 4 processes: 2 pipeline devices × 2 replicas take the figures measured on a group of 2
-    # (Device.replica_collectives); 4 replicas, those measured on all 4.
+    # (Device.replica_collectives); 4 replicas, those measured on all 4; 4 pipeline devices
+    # have no replicas.
     path = tmp_path / "cpu.json"
     path.write_text(json.dumps({**asdict(PRESETS["cpu"]), "step_collective_s": 7e-3,
                                 "gradient_tensor_s": 3e-5,
                                 "replica_collectives": [[2, 2e-3, 1e9, 1e-5]]}))
     for pp, (wait, per_tensor, where) in ((2, (2e-3, 1e-5, "2 of 4 processes, the others waiting")),
-                                          (1, (7e-3, 3e-5, "every process"))):
+                                          (1, (7e-3, 3e-5, "every process")),
+                                          (4, (7e-3, 3e-5, "no replicas"))):
         compile_to(SAMPLES / "mlp.py", tmp_path / str(pp), gpus=4, pp=pp, batch_size=32,
                    hardware=str(path))
         predicted = json.loads((tmp_path / str(pp) / "plan.json").read_text())["predicted"]

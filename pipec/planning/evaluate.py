@@ -17,7 +17,7 @@ from pipec.costmodel import (
     spans_nodes,
 )
 from pipec.devicepeak import apart_bytes
-from pipec.hardware import for_replicas, measured_apart
+from pipec.hardware import for_replicas
 from pipec.planning.balance import Balance, boundaries
 from pipec.planning.costs import Costs, Layout, Point, StageCosts
 from pipec.planning.sharding import SHARDED, collective_count, collectives_s
@@ -315,7 +315,7 @@ def group_figures_used(request: PlanRequest, pp: int, dp: int, replicas_inner: b
     (Device.replica_collectives, measured for ``dp`` replicas), as _collectives_s charges them:
     only a group within a node."""
     per_node = request.gpus // request.nodes
-    return dp >= 2 and measured_apart(request.devices, dp) and any(
+    return dp >= 2 and any(for_replicas(d, dp) is not d for d in request.devices) and any(
         not spans_nodes(p, pp, dp, per_node, replicas_inner) for p in range(pp))
 
 
