@@ -102,7 +102,10 @@ def test_several_processes_measure_the_training_runtime_too(tmp_path: Path, cach
     assert device.schedule_action_s == tuple((s, action) for s in schedules)
     assert device.p2p_post_s == post
     # A receive posted after its input was sent (pipec.receives): in plan.json and the report.
-    assert device.late_receive_s == runtime["late_receive_s"] > 0
+    # With 2 processes none may come late (the last rank sends nothing, so it can post each
+    # receive before its sender's pass ends: 0 in one CI run); the 4-process probe test
+    # (test_probe) checks that one is measured.
+    assert device.late_receive_s == runtime["late_receive_s"] >= 0
     predicted = json.loads((tmp_path / "a" / "plan.json").read_text())["predicted"]
     assert predicted["runtime_overhead_s"]["per_late_receive"] == device.late_receive_s
     assert predicted["runtime_overhead_s"]["per_post"] == device.p2p_post_s
