@@ -45,7 +45,7 @@ from fidelity import BASELINES, CASES, between_plans
 from tabulate import tabulate
 
 from pipec.cli import main as pipec
-from pipec.planning.choice import MEASURED_MARGIN, complexity, simpler
+from pipec.planning.choice import MEASURED_MARGIN, complexity, simplest
 
 _LABEL = re.compile(r"(\d+)×(\d+), m (\d+), ([\w-]+)(?: v=(\d+))?(?:, FSDP ([\w-]+))?$")
 
@@ -141,10 +141,8 @@ def kept_regret(case: dict[str, Any], margin: float) -> float:
     fastest of the simplest within the margin of the fastest predicted."""
     best = min(p["predicted_s"] for p in case["plans"])
     within = [p for p in case["plans"] if p["predicted_s"] <= best * (1 + margin)]
-    simplest = [p for p in within
-                if not any(simpler(tuple(o["complexity"]), tuple(p["complexity"]))
-                           for o in within)]
-    kept = min(simplest, key=lambda p: p["predicted_s"])
+    kept = min(simplest(within, lambda p: tuple(p["complexity"])),
+               key=lambda p: p["predicted_s"])
     return statistics.median(kept["paired"]) / min(statistics.median(p["paired"])
                                                    for p in case["plans"]) - 1
 
