@@ -18,9 +18,9 @@ errors; then, then and now:
 - now, the regret of the plan planning.choice keeps among those measured, at the present
   decision margin and at others (`--margins`): how much the margin costs or saves.
 
-The planner solves each plan's stage boundaries again: where the model's change moves them, the
-plan compiled is not quite the plan measured (`boundaries` in the JSON, since the fifteenth
-session's runs, tells: such plans are marked *).
+Each plan's stage boundaries are pinned to the run's (`boundaries` in the JSON, since the
+fifteenth session's runs; `pipec compile --boundaries`). An older run's are solved again: where
+the model's change moves them, the plan compiled is not quite the plan measured (marked *).
 
     python benchmarks/repredict.py docs/fidelity.json [MORE.json ...] [--only NAME ...]
                                    [--cache DIR] [--margins PERCENT ...] [--json FILE]
@@ -50,13 +50,17 @@ from pipec.planning.choice import MEASURED_MARGIN, complexity, simplest
 _LABEL = re.compile(r"(\d+)×(\d+), m (\d+), ([\w-]+)(?: v=(\d+))?(?:, FSDP ([\w-]+))?$")
 
 
-def plan_flags(roles: list[str], label: str) -> list[str]:
+def plan_flags(roles: list[str], label: str,
+               boundaries: list[list[int]] | None = None) -> list[str]:
     """`pipec compile`'s flags that pin a saved plan: the label's (fidelity.Entry.label:
-    "2×1, m 64, zbv v=2") layout, micro-batch, schedule, virtual stages and sharding, and a
-    baseline's strategy for its boundaries (its point pinned too: the strategy's own choice of
-    point moves with the measurements, and the plan measured is the one to predict)."""
+    "2×1, m 64, zbv v=2") layout, micro-batch, schedule, virtual stages and sharding, and its
+    stage boundaries where the run saved them (each stage's [first, end) nodes), else a
+    baseline's strategy for them (its point pinned too: the strategy's own choice of point
+    moves with the measurements, and the plan measured is the one to predict)."""
     baseline = next((r for r in roles if r in BASELINES), None)
     strategy = ["--strategy", baseline] if baseline else []
+    if boundaries and len(boundaries) > 1:  # the same plan, whichever strategy placed them
+        strategy = ["--boundaries", ",".join(str(stage[0]) for stage in boundaries[1:])]
     match = _LABEL.match(label)
     if match is None:
         raise SystemExit(f"plan {label!r}: not a fidelity.py plan label (pp×dp, m N, schedule)")
@@ -76,7 +80,8 @@ def predict_again(case: dict[str, Any], plan: dict[str, Any], work: Path,
         raise SystemExit(f"case {case['case']!r} is not one of fidelity.py's cases")
     model = ROOT / known[case["case"]].model
     argv = ["compile", str(model), "--gpus", str(case["processes"]), "--hardware", hardware,
-            "--batch-size", str(case["batch"]), *plan_flags(plan["roles"], plan["plan"]),
+            "--batch-size", str(case["batch"]),
+            *plan_flags(plan["roles"], plan["plan"], plan.get("boundaries")),
             "-o", str(work)]
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):

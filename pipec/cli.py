@@ -73,6 +73,14 @@ def _percent(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a percentage, e.g. 5, got {text!r}") from None
 
 
+def _node_indices(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected node indices separated by commas, e.g. "
+                                         f"20 or 12,30,41, got {text!r}") from None
+
+
 def _add_compile(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = commands.add_parser("compile", help="plan a model and write train.py, stages.py, "
                             "plan.json, report.md", description="Trace MODEL, plan its stages "
@@ -95,6 +103,10 @@ def _add_compile(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument("--virtual-stages", type=int, default=None,
                    help="stages per device under --schedule interleaved (default: 2, 3 and 4 "
                    "are searched)")
+    p.add_argument("--boundaries", type=_node_indices, default=None, metavar="N[,N...]",
+                   help="pin the stage boundaries (the search still chooses the micro-batch, "
+                   "schedule and replicas): each stage's first node after the first stage's, "
+                   "as plan.json's stages[].nodes gives it; one fewer than the stages")
     p.add_argument("--norm", choices=NORM_CHOICES, default="auto",
                    help="BatchNorm handling (auto: GroupNorm when pipelined, SyncBatchNorm when "
                    "only data-parallel, unchanged on one device)")
@@ -233,8 +245,8 @@ def _run_compile(args: argparse.Namespace) -> int:
         fsdp=args.fsdp, optimizer=args.optimizer,
         precision=args.precision,
         calibration=args.calibration, measure=args.measure, strategy=args.strategy,
-        virtual_stages=args.virtual_stages, margin=args.margin, frontend=args.frontend,
-        onnx=args.onnx, force=args.force)
+        virtual_stages=args.virtual_stages, boundaries=args.boundaries, margin=args.margin,
+        frontend=args.frontend, onnx=args.onnx, force=args.force)
     plan, emitted = compile_model(options)
     print(f"pipec: wrote {emitted.out}/ ({', '.join(emitted.files)}): {len(plan.stages)} "
           f"stage(s) on {plan.pp} pipeline device(s) × {plan.dp} replica(s), micro-batch "

@@ -45,6 +45,7 @@ class CompileOptions:
     measure: str = "auto"  # "auto": time the model here when the devices are this machine's
     strategy: str = "pipec"
     virtual_stages: int | None = None
+    boundaries: tuple[int, ...] | None = None  # pinned: each later stage's first node
     margin: float | None = None  # a fraction; None: the time model's measured error
     frontend: str = "auto"
     onnx: bool = False
@@ -146,7 +147,8 @@ def _request(options: CompileOptions) -> PlanRequest:
         training=Training(options.optimizer, options.precision),
         calibration=load_calibration(options.calibration) if options.calibration else None,
         strategy=options.strategy, virtual_stages=options.virtual_stages, margin=options.margin,
-        norm=options.norm, recompute=options.recompute, mesh=options.mesh, fsdp=options.fsdp)
+        norm=options.norm, recompute=options.recompute, mesh=options.mesh, fsdp=options.fsdp,
+        boundaries=options.boundaries)
 
 
 def _devices(options: CompileOptions) -> tuple[Device, ...]:

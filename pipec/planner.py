@@ -103,7 +103,33 @@ def check(graph: CostGraph, request: PlanRequest) -> None:
     raised before anything slow runs (the driver measures the model after this)."""
     _check(request)
     costs = Costs(graph, request)
+    _check_boundaries(costs)
     points(costs, layouts_to_search(costs))
+
+
+def _check_boundaries(costs: Costs) -> None:
+    """--boundaries: increasing legal cuts inside the graph, pinning pipec's own plan."""
+    pinned, n = costs.request.boundaries, len(costs.graph.nodes)
+    if pinned is None:
+        return
+    if costs.request.strategy != "pipec":
+        raise ConfigError(f"--boundaries with --strategy {costs.request.strategy}: a baseline "
+                          "places its own boundaries; drop one of the two")
+    if not pinned or list(pinned) != sorted(set(pinned)) or not 0 < pinned[0] <= pinned[-1] < n:
+        raise ConfigError(f"--boundaries {','.join(map(str, pinned))}: give increasing node "
+                          f"indices from 1 to {n - 1}, each the first node of a stage (as "
+                          "plan.json's stages[].nodes gives them)")
+    illegal = [b for b in pinned if not costs.legal[b]]
+    if illegal:
+        legal = [i for i in range(1, n) if costs.legal[i]]
+        raise ConfigError(f"--boundaries: no stage may start at node {illegal[0]} (a value "
+                          f"crossing there is not a tensor, or shares storage a later node "
+                          f"overwrites); the legal starts nearest are "
+                          f"{_nearest(legal, illegal[0])}")
+
+
+def _nearest(legal: list[int], index: int) -> str:
+    return ", ".join(map(str, sorted(sorted(legal, key=lambda c: abs(c - index))[:4])))
 
 
 def _check(request: PlanRequest) -> None:

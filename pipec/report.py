@@ -42,6 +42,12 @@ def search_table(plan: Plan) -> str:
 
 def decision_text(plan: Plan) -> str:
     """Why this plan and not the runner-up: their predicted margin against the model's error."""
+    pinned = plan.request.boundaries
+    return (f"Stage boundaries pinned at nodes {', '.join(map(str, pinned))} by --boundaries; "
+            "the baselines are not candidates. " if pinned else "") + _choice_text(plan)
+
+
+def _choice_text(plan: Plan) -> str:
     decision = plan.decision
     if decision is None:
         return f"Emitted as `--strategy {plan.request.strategy}` asked."

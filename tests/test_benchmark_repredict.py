@@ -41,6 +41,14 @@ def test_a_baseline_is_pinned_by_its_strategy_and_its_point() -> None:
         "--schedule", "1f1b"]
 
 
+def test_saved_boundaries_pin_a_plan_whichever_strategy_placed_them() -> None:
+    assert plan_flags(["#2", "uniform"], "2×1, m 32, 1f1b", [[0, 20], [20, 52]]) == [
+        "--boundaries", "20", "--pp", "2", "--micro-batch", "32", "--fsdp", "off",
+        "--schedule", "1f1b"]
+    # One stage has nothing to pin.
+    assert plan_flags(["uniform"], "1×2, m 64, 1f1b", [[0, 52]])[:2] == ["--strategy", "uniform"]
+
+
 def test_a_label_that_is_not_a_plan_is_refused() -> None:
     with pytest.raises(SystemExit, match=r"not a fidelity\.py plan label"):
         plan_flags(["#2"], "two stages")
@@ -53,6 +61,19 @@ def test_the_pinned_plan_is_compiled_as_labelled(tmp_path: Path) -> None:
     assert (compiled["pp"], compiled["dp"], compiled["micro_batch"], compiled["schedule"],
             compiled["virtual_stages"]) == (2, 1, 32, "interleaved", 2)
     assert compiled["predicted"]["iteration_s"] > 0
+
+
+def test_a_plan_pinned_by_its_boundaries_is_predicted_as_its_strategys(tmp_path: Path) -> None:
+    case = {"case": "mlp", "processes": 2, "batch": 64}
+    label = "2×1, m 16, 1f1b"
+    by_strategy = predict_again(case, {"roles": ["uniform"], "plan": label}, tmp_path / "a",
+                                hardware="a100-80g")
+    nodes = [s["nodes"] for s in by_strategy["stages"]]
+    pinned = predict_again(case, {"roles": ["#3"], "plan": label, "boundaries": nodes},
+                           tmp_path / "b", hardware="a100-80g")
+    assert [s["nodes"] for s in pinned["stages"]] == nodes
+    assert pinned["predicted"]["iteration_s"] == pytest.approx(
+        by_strategy["predicted"]["iteration_s"])
 
 
 def _case(plans: list[tuple[float, float, float]]) -> dict[str, Any]:

@@ -18,7 +18,9 @@ Glossary (besides docs/architecture.md's):
   ``"parameters"``, ``"torchgpipe"``, ``"conventional"``). ``--strategy``, plan.json's
   ``strategy``, ``baselines[].name`` and the keys of ``max_batch.baselines`` name one.
 - *balance*: the rule that places a strategy's stage boundaries, what its partition balances:
-  ``"time_within_memory"`` (pipec), ``"time"``, ``"parameters"`` or ``"uniform"``. Two
+  ``"time_within_memory"`` (pipec), ``"time"``, ``"parameters"`` or ``"uniform"``; or
+  ``"pinned"``, the boundaries --boundaries gives (pipec's search, the largest-batch table
+  aside, which reports what pipec's own balance trains). Two
   strategies may share one (torchgpipe and conventional balance time; they differ in
   micro-batch, schedule and layout).
 - *layout*: pp pipeline devices × dp replicas, v stages per device (interleaved), the rank

@@ -18,7 +18,7 @@ from pipec.schedule import ZERO_BUBBLE
 from pipec.spans import Problem, make_problem
 from pipec.stagememory import StageRole, ends_bytes, stage_memory, working_bytes
 
-Balance = Literal["time_within_memory", "time", "parameters", "uniform"]
+Balance = Literal["time_within_memory", "time", "parameters", "uniform", "pinned"]
 
 # What each strategy's boundaries balance, in the order reports list the strategies.
 BALANCE: dict[str, Balance] = {
@@ -58,6 +58,9 @@ def _cache_key(point: Point, roles: tuple[StageRole, ...], balance: Balance) -> 
 def _place(costs: Costs, point: Point, roles: tuple[StageRole, ...], balance: Balance
            ) -> Placement | None:
     plain = ("none",) * point.layout.stages
+    pinned = costs.request.boundaries
+    if balance == "pinned" and pinned is not None:  # --boundaries: pipec's search, pinned
+        return (0, *pinned, len(costs.legal) - 1), plain
     if balance == "uniform":
         return uniform_boundaries(costs.legal, point.layout.stages), plain
     if balance == "time_within_memory" and (costs.request.recompute not in ("full", "selective")

@@ -75,7 +75,8 @@ def adopt(costs: Costs, searched: tuple[Evaluated, ...], plans: tuple[BaselinePl
                                   "device; use --strategy pipec or more devices")
         return chosen.evaluated, None
     alternatives = [*searched, *(p.evaluated for p in plans
-                             if p.summary.feasible and _allowed(p.evaluated, request))]
+                             if p.summary.feasible and _allowed(p.evaluated, request)
+                             and request.boundaries is None)]  # --boundaries: pipec's own
     return choose(costs, min(alternatives, key=rank), alternatives)
 
 

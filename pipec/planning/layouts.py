@@ -76,11 +76,28 @@ def points(costs: Costs, layouts: list[Layout]) -> list[Point]:
                           for inner in _rank_orders(request, layout)
                           for fsdp in fsdp_modes(costs, layout, schedule, v)
                           if runs(schedule, pp, replica_batch // m, v)]
+    if request.boundaries is not None:
+        found = pinned_points(request, found)
     if not found and request.fsdp in SHARDED:
         raise _no_sharding(request, layouts)
     if not found:
         raise _no_schedule(request, layouts[-1].pp)
     return found
+
+
+def pinned_points(request: PlanRequest, found: list[Point]) -> list[Point]:
+    """Of ``found``, the points with as many stages as --boundaries pins; a ConfigError when
+    none has."""
+    assert request.boundaries is not None
+    stages = len(request.boundaries) + 1
+    kept = [p for p in found if p.layout.stages == stages]
+    if found and not kept:
+        counts = sorted({p.layout.stages for p in found})
+        raise ConfigError(f"--boundaries gives {stages - 1} boundaries, so {stages} stages, "
+                          f"but the plans --pp, --schedule and --virtual-stages allow have "
+                          f"{' or '.join(map(str, counts))} stages; give one boundary fewer "
+                          "than the stages (pp × virtual stages per device)")
+    return kept
 
 
 def fsdp_modes(costs: Costs, layout: Layout, schedule: str, virtual: int) -> tuple[str, ...]:

@@ -45,9 +45,7 @@ def search(costs: Costs, points: list[Point], window: float = 0.0) -> SearchResu
         if bounds[point] * _MARGIN > limit:
             pruned += len(ordered) - i
             break
-        fitting = partition(costs, point, "time_within_memory")
-        shown = fitting or partition(costs, point, "time")
-        assert shown is not None  # without a memory limit every legal partition is allowed
+        fitting, shown = _partitions(costs, point)
         if stage_bound_s(costs, shown) * _MARGIN > limit:
             pruned += 1
             continue
@@ -59,6 +57,19 @@ def search(costs: Costs, points: list[Point], window: float = 0.0) -> SearchResu
                 best = e
     evaluated.sort(key=lambda pc: point_order(pc[0]))
     return SearchResult(best, tuple(c for _, c in evaluated), pruned, tuple(fitting_points))
+
+
+def _partitions(costs: Costs, point: Point) -> tuple[Evaluated | None, Evaluated]:
+    """pipec's partition of ``point`` where it fits (None: nothing fits), and the partition to
+    show for it: that one, else the time balance ignoring memory. --boundaries pins them."""
+    if costs.request.boundaries is not None:
+        pinned = partition(costs, point, "pinned")
+        assert pinned is not None  # the pin places its boundaries whatever they hold
+        return (pinned if pinned.fits() else None), pinned
+    fitting = partition(costs, point, "time_within_memory")
+    shown = fitting or partition(costs, point, "time")
+    assert shown is not None  # without a memory limit every legal partition is allowed
+    return fitting, shown
 
 
 def point_order(point: Point) -> tuple[int, int, int, int]:

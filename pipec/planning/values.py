@@ -35,6 +35,9 @@ class PlanRequest:
     recompute: str = "auto"  # --recompute: auto (where a stage must), none, full or selective
     mesh: str = "auto"  # --mesh: "dp,pp" (a replica's pipeline innermost), "pp,dp", or searched
     fsdp: str = "auto"  # --fsdp: off, zero2, zero3, or searched (auto: off or zero2)
+    # --boundaries: pipec's stage boundaries pinned, the first node of each stage after the
+    # first (plan.json's stages[k].nodes[0]); None: solved (planning.balance).
+    boundaries: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

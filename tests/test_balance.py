@@ -1,0 +1,83 @@
+"""Stage boundaries pinned by the user (--boundaries): kept exactly, the rest still searched,
+and each mistake refused with a fix."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import SAMPLES, compile_to
+from pipec.cli import main
+from pipec.errors import ConfigError
+
+
+def _starts(out: Path) -> list[int]:
+    return [stage["nodes"][0] for stage in json.loads((out / "plan.json").read_text())["stages"]]
+
+
+def test_pinned_boundaries_are_the_plans_and_the_search_goes_on(tmp_path: Path) -> None:
+    uniform = compile_to(SAMPLES / "gpt.py", tmp_path / "a", gpus=2, batch_size=16,
+                         strategy="uniform")
+    own = compile_to(SAMPLES / "gpt.py", tmp_path / "c", gpus=2, batch_size=16)
+    moved = (uniform.stages[1].start,)
+    assert moved != (own.stages[1].start,)  # pinned elsewhere than pipec would place it
+    pinned = compile_to(SAMPLES / "gpt.py", tmp_path / "b", gpus=2, batch_size=16,
+                        boundaries=moved)
+    assert _starts(tmp_path / "b") == [0, *moved]
+    # The micro-batch and schedule are still chosen: every one of them was evaluated.
+    assert len({(c.micro_batch, c.schedule) for c in pinned.candidates}) > 1
+    assert json.loads((tmp_path / "b" / "plan.json").read_text())["strategy"] == "pipec"
+    assert f"pinned at nodes {moved[0]} by --boundaries" in (tmp_path / "b" / "report.md"
+                                                             ).read_text()
+
+
+def test_pinning_pipecs_own_boundaries_predicts_its_own_plan(tmp_path: Path) -> None:
+    own = compile_to(SAMPLES / "mlp.py", tmp_path / "a", gpus=2, batch_size=64, margin=0.0)
+    assert own.pp == 2
+    starts = tuple(s.start for s in own.stages[1:])
+    pinned = compile_to(SAMPLES / "mlp.py", tmp_path / "b", gpus=2, batch_size=64,
+                        margin=0.0, boundaries=starts)
+    assert (pinned.micro_batch, pinned.schedule) == (own.micro_batch, own.schedule)
+    assert pinned.samples_per_s == pytest.approx(own.samples_per_s)
+
+
+def test_the_stage_count_follows_the_boundaries_when_pp_is_searched(tmp_path: Path) -> None:
+    plan = compile_to(SAMPLES / "gpt.py", tmp_path / "o", gpus=4, batch_size=16, pp=None,
+                      boundaries=(8,))
+    assert (plan.pp, plan.dp) == (2, 2)
+    assert _starts(tmp_path / "o") == [0, 8]
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"boundaries": (5, 8)}, "gives 2 boundaries, so 3 stages, but the plans"),
+    ({"boundaries": (9, 5)}, "give increasing node indices from 1 to"),
+    ({"boundaries": (0,)}, "give increasing node indices from 1 to"),
+    ({"boundaries": (10_000,)}, "give increasing node indices from 1 to"),
+    ({"boundaries": (5,), "strategy": "uniform"}, "a baseline places its own boundaries"),
+])
+def test_bad_boundaries(options: dict[str, object], message: str, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=message):
+        compile_to(SAMPLES / "gpt.py", tmp_path / "o", gpus=2, batch_size=16, **options)
+
+
+def test_a_boundary_at_an_illegal_cut_names_the_legal_ones(tmp_path: Path) -> None:
+    path = tmp_path / "aliased.py"  # cuts 1 and 2 split x from its view before a write
+    path.write_text("\n".join([
+        "import torch", "from torch import nn", "", "",
+        "class Aliased(nn.Module):", "    def forward(self, x):", "        head = x[:, :2]",
+        "        y = torch.tanh(x)", "        head.mul_(2)", "        return y + x", "", "",
+        "def build_model():", "    return Aliased()", "", "",
+        "def sample_batch(batch_size):",
+        "    return torch.randn(batch_size, 4), torch.randint(0, 4, (batch_size,))", ""]))
+    with pytest.raises(ConfigError, match=r"no stage may start at node 2 .* nearest are 3"):
+        compile_to(path, tmp_path / "o", gpus=2, batch_size=8, boundaries=(2,))
+
+
+def test_boundaries_that_are_not_numbers_are_a_usage_error(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["compile", "m.py", "--boundaries", "12,x"])
+    assert exit_info.value.code == 2
+    assert "expected node indices separated by commas" in capsys.readouterr().err
