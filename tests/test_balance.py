@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SAMPLES, compile_to
+from conftest import MODELS, SAMPLES, compile_to
 from pipec.cli import main
 from pipec.errors import ConfigError
 
@@ -63,16 +63,10 @@ def test_bad_boundaries(options: dict[str, object], message: str, tmp_path: Path
 
 
 def test_a_boundary_at_an_illegal_cut_names_the_legal_ones(tmp_path: Path) -> None:
-    path = tmp_path / "aliased.py"  # cuts 1 and 2 split x from its view before a write
-    path.write_text("\n".join([
-        "import torch", "from torch import nn", "", "",
-        "class Aliased(nn.Module):", "    def forward(self, x):", "        head = x[:, :2]",
-        "        y = torch.tanh(x)", "        head.mul_(2)", "        return y + x", "", "",
-        "def build_model():", "    return Aliased()", "", "",
-        "def sample_batch(batch_size):",
-        "    return torch.randn(batch_size, 4), torch.randint(0, 4, (batch_size,))", ""]))
+    # tests/models/aliased.py: cuts 1 and 2 split x from its view before a write.
     with pytest.raises(ConfigError, match=r"no stage may start at node 2 .* nearest are 3"):
-        compile_to(path, tmp_path / "o", gpus=2, batch_size=8, boundaries=(2,))
+        compile_to(MODELS / "aliased.py", tmp_path / "o", gpus=2, batch_size=8,
+                   boundaries=(2,))
 
 
 def test_boundaries_that_are_not_numbers_are_a_usage_error(

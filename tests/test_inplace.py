@@ -3,12 +3,11 @@ would separate two names of one storage that is overwritten later."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from torch import fx, nn
 from torch.nn import functional as F
 
+from conftest import MODELS
 from pipec.annotate import annotate, live_values
 from pipec.inplace import cuts_splitting_aliases, overwritten_inputs
 from pipec.loader import load_model_file
@@ -76,14 +75,6 @@ def test_a_cut_between_two_names_of_an_overwritten_storage_is_found() -> None:
     assert cuts_splitting_aliases(gm, compute, live_values(gm)) == {1, 2}
 
 
-def test_annotate_makes_those_cuts_illegal(tmp_path: Path) -> None:
-    path = tmp_path / "aliased.py"
-    path.write_text("\n".join([
-        "import torch", "from torch import nn", "", "",
-        "class Aliased(nn.Module):", "    def forward(self, x):", "        head = x[:, :2]",
-        "        y = torch.tanh(x)", "        head.mul_(2)", "        return y + x", "", "",
-        "def build_model():", "    return Aliased()", "", "",
-        "def sample_batch(batch_size):",
-        "    return torch.randn(batch_size, 4), torch.randint(0, 4, (batch_size,))", ""]))
-    spec = load_model_file(path)
+def test_annotate_makes_those_cuts_illegal() -> None:
+    spec = load_model_file(MODELS / "aliased.py")
     assert annotate(trace_model(spec), spec).legal_cuts == (True, False, False, True, True)
