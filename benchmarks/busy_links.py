@@ -3,12 +3,18 @@ whose stages hold their core for a fixed time per action (spin) against the same
 stages give it up for that time (sleep), on two processes of one thread each.
 
     python benchmarks/busy_links.py [--work-ms 2] [--micro-batches 8] [--rounds 3]
+                                    [--tensors 1 2 4]
 
 Why: gloo's point-to-point send is a rendezvous. The receiver posts its receive and tells the
 sender; the sender's gloo thread, woken by that message, writes the data (gloo's
 transport/tcp/pair.cc). When both cores run a stage's compute, that thread must wait for a core,
 and so must the receiver's when the data lands. pipec's runtime probe times the schedules with a
 4-wide layer, whose cores are idle between sends, so it cannot see this.
+
+With ``--tensors K ...`` the boundary carries K tensors (4 floats in all per sample, split):
+torch's runtime sends each on its own, and the step's growth per extra tensor is what a
+boundary's tensor costs beyond the first (pipec.costmodel.boundary_s charges each the link's
+latency).
 
 Each round times GPipe's and 1F1B's step (the median of 12 after 2 warm-ups) with spinning and
 with sleeping stages, in alternating order. The difference, divided by the step's 2 × N sends
@@ -44,6 +50,8 @@ def main() -> None:
     parser.add_argument("--work-ms", type=float, default=2.0, help="per action (2)")
     parser.add_argument("--micro-batches", type=int, default=8, help="(8)")
     parser.add_argument("--rounds", type=int, default=3, help="(3)")
+    parser.add_argument("--tensors", type=int, nargs="+", default=[1], choices=(1, 2, 3, 4),
+                        help="tensors a boundary carries, each measured (1)")
     args = parser.parse_args()
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -96,32 +104,42 @@ def _hold(seconds: float, spin: bool) -> None:
 
 
 class _Stage(nn.Module):
-    def __init__(self, seconds: float, spin: bool) -> None:
+    """A 4-wide layer holding the core; the first stage sends its output as ``tensors`` pieces,
+    the last joins them."""
+
+    def __init__(self, seconds: float, spin: bool, tensors: int, first: bool) -> None:
         super().__init__()
         self.layer, self.seconds, self.spin = nn.Linear(4, 4), seconds, spin
+        self.tensors, self.first = tensors, first
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Hold.apply(self.layer(x), self.seconds, self.spin)
+    def forward(self, *xs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        held = _Hold.apply(self.layer(torch.cat(xs, dim=1)), self.seconds, self.spin)
+        if not self.first or self.tensors == 1:
+            return held
+        return tuple(piece.contiguous() for piece in held.tensor_split(self.tensors, dim=1))
 
 
 def _worker(rank: int, port: int, args: argparse.Namespace, results: Any) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    steps: dict[tuple[str, bool], list[float]] = {}
+    steps: dict[tuple[str, bool, int], list[float]] = {}
     for round_ in range(args.rounds):
         for schedule in SCHEDULES:
-            for spin in (True, False) if round_ % 2 == 0 else (False, True):
-                steps.setdefault((schedule, spin), []).append(_step_s(rank, schedule, spin, args))
+            for tensors in args.tensors if round_ % 2 == 0 else args.tensors[::-1]:
+                for spin in (True, False) if round_ % 2 == 0 else (False, True):
+                    steps.setdefault((schedule, spin, tensors), []).append(
+                        _step_s(rank, schedule, spin, tensors, args))
     if rank == 0:
         results.put({"steps": steps, "slept": statistics.median(SLEPT)})
     dist.destroy_process_group()
 
 
-def _step_s(rank: int, schedule: str, spin: bool, args: argparse.Namespace) -> float:
+def _step_s(rank: int, schedule: str, spin: bool, tensors: int,
+            args: argparse.Namespace) -> float:
     torch.manual_seed(0)
-    stage = pipelining.PipelineStage(_Stage(args.work_ms / 1e3, spin), rank, 2,
-                                     torch.device("cpu"))
+    stage = pipelining.PipelineStage(_Stage(args.work_ms / 1e3, spin, tensors, rank == 0), rank,
+                                     2, torch.device("cpu"))
     runner = getattr(pipelining, schedule)(stage, args.micro_batches,
                                            loss_fn=lambda out, target: out.sum())
     inputs = torch.ones(args.micro_batches, 4)
@@ -136,19 +154,26 @@ def _step_s(rank: int, schedule: str, spin: bool, args: argparse.Namespace) -> f
 
 def _report(figures: dict[str, Any], args: argparse.Namespace) -> None:
     sends = 2 * args.micro_batches
+    fewest = min(args.tensors)
     rows = []
     for schedule in SCHEDULES:
-        spin, sleep = (figures["steps"][(schedule, s)] for s in (True, False))
-        extra = [(a - b) / sends for a, b in zip(spin, sleep, strict=True)]
-        rows.append((schedule.removeprefix("Schedule"), f"{statistics.median(spin) * 1e3:.2f}",
-                     f"{statistics.median(sleep) * 1e3:.2f}",
-                     f"{statistics.median(extra) * 1e6:.0f}",
-                     " ".join(f"{e * 1e6:.0f}" for e in extra)))
+        for tensors in sorted(args.tensors):
+            spin, sleep = (figures["steps"][(schedule, s, tensors)] for s in (True, False))
+            extra = [(a - b) / sends for a, b in zip(spin, sleep, strict=True)]
+            base = statistics.median(figures["steps"][(schedule, True, fewest)])
+            more = (statistics.median(spin) - base) / (sends * max(tensors - fewest, 1))
+            per_tensor = "" if tensors == fewest else f"{more * 1e6:.0f}"
+            rows.append((schedule.removeprefix("Schedule"), tensors,
+                         f"{statistics.median(spin) * 1e3:.2f}",
+                         f"{statistics.median(sleep) * 1e3:.2f}",
+                         f"{statistics.median(extra) * 1e6:.0f}",
+                         " ".join(f"{e * 1e6:.0f}" for e in extra), per_tensor))
     print(f"2 processes, {args.micro_batches} micro-batches, {args.work_ms} ms a stage per "
           f"forward and per backward (a sleep of it measured "
           f"{figures['slept'] * 1e3:.2f} ms), median over {args.rounds} rounds\n")
-    print(tabulate(rows, ("schedule", "step ms, busy cores", "step ms, idle cores",
-                          "µs more a send", "per round"), tablefmt="github"))
+    print(tabulate(rows, ("schedule", "tensors a boundary", "step ms, busy cores",
+                          "step ms, idle cores", "µs more a send", "per round",
+                          f"µs a send per tensor beyond {fewest}, busy"), tablefmt="github"))
 
 
 if __name__ == "__main__":

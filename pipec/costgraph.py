@@ -145,6 +145,13 @@ class CostGraph:
         bf16 = precision == "bf16" and self.held_cut_bytes_bf16
         return self.held_cut_bytes_bf16 if bf16 else self.held_cut_bytes
 
+    def cut_tensors(self) -> tuple[int, ...]:
+        """The tensors crossing each cut, each sent on its own (1 where liveness was not
+        recorded)."""
+        if not self.live:
+            return (1,) * len(self.cut_bytes)
+        return tuple(max(len(names), 1) for names in self.live)
+
     @property
     def total_params(self) -> int:
         return sum(n.params for n in self.nodes)

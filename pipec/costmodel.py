@@ -3,7 +3,8 @@
 Per node a roofline, ``max(flops / (peak · efficiency), bytes / bandwidth)``, plus a fixed
 per-kernel overhead (Megatron-LM's ``t(b)`` has the same shape: small micro-batches are
 inefficient).
-A boundary costs ``latency + bytes / link bandwidth`` forward and the same again for the gradient.
+A boundary costs ``tensors · latency + bytes / link bandwidth`` forward and the same again for the
+gradients: each tensor crossing it is a send of its own.
 """
 
 from __future__ import annotations
@@ -283,11 +284,15 @@ def _calibrated(graph: CostGraph, calibration: Calibration, micro_batch: int,
             calibration.backward.seconds(bwd_flops, moved) * scale)
 
 
-def boundary_s(cut_bytes: np.ndarray, device: Device, inter_node: bool) -> np.ndarray:
-    """Forward send of the activations plus backward send of their gradients, per cut."""
+def boundary_s(cut_bytes: np.ndarray, device: Device, inter_node: bool,
+               cut_tensors: np.ndarray | None = None) -> np.ndarray:
+    """Forward send of the activations plus backward send of their gradients, per cut: a
+    latency per tensor (``cut_tensors``, default 1: the runtime sends each tensor of a boundary
+    on its own) and the bytes over the link's bandwidth."""
     latency, bandwidth = ((device.inter_node_latency_s, device.inter_node_bandwidth) if inter_node
                           else (device.intra_node_latency_s, device.intra_node_bandwidth))
-    return np.where(cut_bytes > 0, 2 * (latency + cut_bytes / bandwidth), 0.0)
+    tensors = np.ones_like(cut_bytes) if cut_tensors is None else cut_tensors
+    return np.where(cut_bytes > 0, 2 * (tensors * latency + cut_bytes / bandwidth), 0.0)
 
 
 def rank_of(position: int, replica: int, pp: int, replicas: int,

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -13,7 +14,7 @@ from torch.distributed.pipelining import _backward
 
 from conftest import SAMPLES
 from pipec.annotate import annotate
-from pipec.costmodel import NodeArrays, Training, node_arrays
+from pipec.costmodel import NodeArrays, Training, boundary_s, node_arrays
 from pipec.hardware import PRESETS
 from pipec.kernelruns import KernelRuns
 from pipec.loader import load_model_file
@@ -206,3 +207,17 @@ def test_a_stage_awaiting_weights_keeps_their_gradients_and_the_one_received() -
     assert stage_memory(arrays, 0, 2, StageRole(1, 3, 4, 2, awaiting_weights=3)
                         ).awaiting_weights == 3 * (5 + 11)
     assert stage_memory(arrays, 0, 2, StageRole(1, 3, 4, 2)).awaiting_weights == 0.0
+
+
+def test_each_tensor_of_a_boundary_pays_the_links_latency() -> None:
+    """The runtime sends a boundary's tensors one by one (each a rendezvous with its own
+    latency); the bytes cost the same however they are split."""
+    device = PRESETS["cpu"]
+    latency, bandwidth = device.intra_node_latency_s, device.intra_node_bandwidth
+    cut_bytes = np.array([0.0, 1e6, 1e6, 0.0])
+    one_each = boundary_s(cut_bytes, device, False)
+    sent = 2 * (latency + 1e6 / bandwidth)
+    assert one_each == pytest.approx([0.0, sent, sent, 0.0])
+    counted = boundary_s(cut_bytes, device, False, np.array([1.0, 1.0, 3.0, 1.0]))
+    assert counted[2] - counted[1] == pytest.approx(2 * 2 * latency)
+    assert counted[1] == one_each[1] and counted[0] == counted[3] == 0.0

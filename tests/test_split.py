@@ -9,6 +9,10 @@ import pytest
 import torch
 
 from conftest import MODELS, SAMPLES, compile_to, emitted_modules, run_as_pipeline
+from pipec.annotate import annotate
+from pipec.costgraph import CostGraph
+from pipec.loader import load_model_file
+from pipec.trace import trace_model
 
 MODEL_FILES = [SAMPLES / "mlp.py", SAMPLES / "resnet.py", SAMPLES / "gpt.py",
                MODELS / "skip_two_inputs.py", MODELS / "shared_module.py",
@@ -61,6 +65,18 @@ def test_skip_connection_is_forwarded_across_stages(tmp_path: Path) -> None:
     # only, so every later stage receives them.
     for later in signatures[1:]:
         assert "image_1" in later and "text" in later
+
+
+def test_the_cost_models_tensor_count_is_what_each_stage_receives(tmp_path: Path) -> None:
+    """Each tensor of a boundary is its own send (costmodel.boundary_s charges each a
+    latency): the count the planner uses is the emitted stage's inputs."""
+    plan = compile_to(MODELS / "skip_two_inputs.py", tmp_path / "out", gpus=4, batch_size=8)
+    counts = plan_graph(MODELS / "skip_two_inputs.py").cut_tensors()
+    with emitted_modules(tmp_path / "out") as (_, stages):
+        received = [len(inspect.signature(cls.forward).parameters) - 1
+                    for cls in stages.STAGES]
+    assert received[1:] == [counts[s.start] for s in plan.stages[1:]]
+    assert max(received[1:]) >= 2
 
 
 def test_shared_parameters_are_listed_with_each_stages_name(tmp_path: Path) -> None:
@@ -159,3 +175,8 @@ def test_bf16_boundaries_carry_the_dtype_of_the_single_device_autocast_run(
     # Every cut carries the residual stream, in fp32; one inside a block also a bf16 output.
     assert received.count("float32") == num_stages - 1
     assert set(received) <= {"float32", "bfloat16"}
+
+
+def plan_graph(model: Path) -> CostGraph:
+    spec = load_model_file(model)
+    return annotate(trace_model(spec), spec)

@@ -177,6 +177,7 @@ class Costs:
         self.autograd_nodes = np.array([n.autograd_nodes for n in graph.nodes], dtype=float)
         self.param_bytes = np.array([n.param_bytes for n in graph.nodes], dtype=float)
         self.param_tensors = np.array([n.param_tensors for n in graph.nodes], dtype=float)
+        self.cut_tensors = np.array(graph.cut_tensors(), dtype=float)
         # Per node, the fp32 bytes of its parameters, shared ones included (what FSDP shards).
         self.weight_bytes = self.param_bytes + np.array([n.shared_bytes for n in graph.nodes],
                                                         dtype=float)
@@ -333,7 +334,7 @@ class Costs:
         per_node = self.request.gpus // self.request.nodes
         return boundary_s(arrays.cut_bytes, link,
                           crosses_nodes(source, target, layout.pp, layout.dp, per_node,
-                                        layout.replicas_inner))
+                                        layout.replicas_inner), self.cut_tensors)
 
     def unrecomputable(self, layout: Layout) -> np.ndarray:
         """Per node, 1 where a stage must not recompute it: a BatchNorm that the layout keeps
