@@ -21,6 +21,7 @@ and growing with n, so that the simulation's bounds (``bound_s``) still hold.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 # Work left below this many seconds is done (the times are sums of floats).
@@ -77,20 +78,22 @@ Steps = tuple[tuple[str, int, int, int, int, int], ...]  # kind, stage, mb, devi
 
 
 def arrival_s(steps: Steps, end: list[float], need: int, device: int, posted_s: float,
-              late_receive_s: float) -> float:
+              late_receive_s: float, transfer_s: Sequence[float]) -> float:
     """When step ``need``'s output is ready on ``device``, whose receive was posted (its previous
-    step ended) at ``posted_s``: at its end, or ``late_receive_s`` after the post where it
-    ended before (pipec.schedule); -1 needs nothing, and a step of the same device hands its
-    output over in memory."""
+    step ended) at ``posted_s``: ``transfer_s[need]`` after it is sent, at its end, or
+    ``late_receive_s`` after the post where it ended before (pipec.schedule); -1 needs
+    nothing, and a step of the same device hands its output over in memory."""
     if need < 0:
         return 0.0
-    if steps[need][3] == device or end[need] > posted_s:
+    if steps[need][3] == device:
         return end[need]
-    return posted_s + late_receive_s
+    sent = end[need] if end[need] > posted_s else posted_s + late_receive_s
+    return sent + transfer_s[need]
 
 
 def shared_times(steps: Steps, durations: list[float], pp: int, cores: SharedCores,
-                 late_receive_s: float = 0.0) -> tuple[list[float], list[float]]:
+                 late_receive_s: float = 0.0, transfer_s: Sequence[float] | None = None
+                 ) -> tuple[list[float], list[float]]:
     """Start and end of each step (kind, stage, micro-batch, device, the two steps it needs) when
     the devices computing at once share the cores: events from one action's end (or a late
     input's arrival) to the next, each computing device doing ``cores.rate(n)`` of its work
@@ -102,7 +105,7 @@ def shared_times(steps: Steps, durations: list[float], pp: int, cores: SharedCor
     free = [0.0] * pp  # when each device's last step ended: it posted its next receive then
     running: dict[int, list[float]] = {}  # device → [step, work left]
     now = 0.0
-    arrive = _Arrivals(steps, end, free, late_receive_s)
+    arrive = _Arrivals(steps, end, free, late_receive_s, transfer_s or [0.0] * len(steps))
     wake = _start_ready(queues, durations, arrive, running, start, now)
     while running or wake < float("inf"):
         rate = cores.rate(len(running)) if running else 1.0
@@ -130,10 +133,11 @@ class _Arrivals:
     end: list[float]
     free: list[float]
     late_receive_s: float
+    transfer_s: Sequence[float]  # per step: its output's time on the link
 
     def ready_s(self, device: int, step: int) -> float:
         return max(arrival_s(self.steps, self.end, n, device, self.free[device],
-                             self.late_receive_s) for n in self.steps[step][4:])
+                             self.late_receive_s, self.transfer_s) for n in self.steps[step][4:])
 
 
 def _start_ready(queues: list[list[int]], durations: list[float], arrive: _Arrivals,

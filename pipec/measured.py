@@ -275,17 +275,19 @@ def probe_step_s(schedule: str, action_s: float, post_s: float, link_s: float) -
     """The simulated step of the probe's pipeline under ``schedule`` (pipec.actions): each
     action pays ``action_s``, and ``post_s`` per send or receive to the other device, each
     boundary that crosses a link ``link_s``, as Costs charges them; a zero-bubble backward pays
-    its call's time twice, its weights' gradient once (planning.evaluate)."""
+    its call's time twice, its weights' gradient once, and the links carry the transfers
+    (planning.evaluate)."""
     stages = 2 if schedule in ("gpipe", "1f1b") else 4
     cuts = probe_cuts(schedule, stages, link_s)
+    links = (cuts, [0.0, *cuts[:-1]])  # forward to the next stage, backward to the one before
     posts = posted_links([stage_device(schedule, k, 2) for k in range(stages)])
-    forward = [action_s + post_s * n + c for n, c in zip(posts, cuts, strict=True)]
+    forward = [action_s + post_s * n for n in posts]
     if schedule not in ZERO_BUBBLE:
         return simulate(schedule, forward, forward, SCHEDULE_MICRO_BATCHES, 2,
-                        timeline=False).iteration_s
+                        timeline=False, transfer_s=links).iteration_s
     return simulate(schedule, forward, [f + action_s for f in forward],
                     SCHEDULE_MICRO_BATCHES, 2, timeline=False,
-                    weight_s=[action_s] * stages).iteration_s
+                    weight_s=[action_s] * stages, transfer_s=links).iteration_s
 
 
 def probe_cuts(schedule: str, stages: int, link_s: float) -> list[float]:

@@ -21,11 +21,12 @@ from __future__ import annotations
 import collections
 import functools
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from pipec.cores import SharedCores, arrival_s, shared_times
+from pipec.cores import SharedCores, Steps, arrival_s, shared_times
 from pipec.zero_bubble import interleaved_zb_order, v_device, zbv_order
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "interleaved-zb", "zbv")
@@ -295,14 +296,17 @@ def stage_lower_bound_s(fwd_s: list[float], bwd_s: list[float], num_micro_batche
 def simulate(schedule: str, fwd_s: list[float], bwd_s: list[float], num_micro_batches: int,
              pp: int | None = None, timeline: bool = True,
              weight_s: list[float] | None = None, cores: SharedCores | None = None,
-             late_receive_s: float = 0.0) -> Simulation:
+             late_receive_s: float = 0.0,
+             transfer_s: tuple[Sequence[float], Sequence[float]] | None = None) -> Simulation:
     """Run the schedule on stages whose forward and backward take ``fwd_s[k]`` and ``bwd_s[k]``;
     ``pp`` devices (default: one per stage) each run ``len(fwd_s) / pp`` stages. Under a
     zero-bubble schedule ``weight_s[k]`` of the backward is the weights' gradient (default:
     half). ``timeline``: keep every action (for the picture), else only the figures. ``cores``:
     the devices are processes sharing a CPU's cores, faster while others wait (pipec.cores).
     ``late_receive_s``: what an input from another device costs when it was sent before its
-    receiver was free (the module's docstring)."""
+    receiver was free (the module's docstring). ``transfer_s``: per stage, the time on the link
+    of what its forward and its backward send, from the send (or that late post) to the
+    arrival; none by default (a stage's times then hold its sends)."""
     stages = len(fwd_s)
     pp = pp or stages
     structure = _structure(schedule, pp, num_micro_batches, stages // pp)
@@ -310,10 +314,11 @@ def simulate(schedule: str, fwd_s: list[float], bwd_s: list[float], num_micro_ba
     durations = {"F": fwd_s, "B": bwd_s, "W": weights,
                  "I": [b - w for b, w in zip(bwd_s, weights, strict=True)]}
     each = [durations[kind][stage] for kind, stage, *_ in structure.steps]
+    links = _link_s(structure.steps, transfer_s)
     if cores is not None and cores.shared:
-        start, end = shared_times(structure.steps, each, pp, cores, late_receive_s)
+        start, end = shared_times(structure.steps, each, pp, cores, late_receive_s, links)
     else:
-        start, end = _plain_times(structure, each, pp, late_receive_s)
+        start, end = _plain_times(structure, each, pp, late_receive_s, links)
     iteration = max(end, default=0.0)
     busy = sum(end) - sum(start)
     bubble = 1 - busy / (pp * iteration) if iteration > 0 else 0.0
@@ -324,14 +329,24 @@ def simulate(schedule: str, fwd_s: list[float], bwd_s: list[float], num_micro_ba
                       actions)
 
 
-def _plain_times(structure: _Structure, durations: list[float], pp: int, late_receive_s: float
-                 ) -> tuple[list[float], list[float]]:
+def _link_s(steps: Steps, transfer_s: tuple[Sequence[float], Sequence[float]] | None
+            ) -> list[float]:
+    """Per step, its output's time on the link: a forward sends to the stage after, a backward
+    or input gradient to the stage before, a weights' gradient nothing."""
+    if transfer_s is None:
+        return [0.0] * len(steps)
+    sent = {"F": transfer_s[0], "B": transfer_s[1], "I": transfer_s[1]}
+    return [sent[kind][stage] if kind in sent else 0.0 for kind, stage, *_ in steps]
+
+
+def _plain_times(structure: _Structure, durations: list[float], pp: int, late_receive_s: float,
+                 link_s: list[float]) -> tuple[list[float], list[float]]:
     """Start and end of each step: when its device is free and its inputs have arrived."""
     steps = structure.steps
     end = [0.0] * (len(steps) + 1)  # end[-1]: "needs nothing", ready at 0
     free = [0.0] * pp
     for i, (_, _, _, device, first, second) in enumerate(steps):
-        arrived = max(arrival_s(steps, end, n, device, free[device], late_receive_s)
+        arrived = max(arrival_s(steps, end, n, device, free[device], late_receive_s, link_s)
                       for n in (first, second))
         end[i] = free[device] = max(free[device], arrived) + durations[i]
     end.pop()

@@ -390,8 +390,9 @@ def test_a_schedule_that_does_not_fit_names_the_one_that_does(tmp_path: Path) ->
     interleaved (two stages per device, every send kept until the step ends): the error says
     which schedule to use rather than what 1F1B needs."""
     small = _small_device(tmp_path, 2.2)
-    assert compile_to(SAMPLES / "gpt.py", tmp_path / "ok", gpus=2, pp=2, batch_size=32,
-                      hardware=small, schedule="1f1b").micro_batch == 1
+    fits = compile_to(SAMPLES / "gpt.py", tmp_path / "ok", gpus=2, pp=2, batch_size=32,
+                      hardware=small, schedule="1f1b", micro_batch=1)
+    assert (fits.schedule, fits.micro_batch) == ("1f1b", 1)
     with pytest.raises(InfeasibleError, match=r"no split fits under --schedule interleaved .* "
                        r"but 1f1b at micro-batch 1 fits .*: use --schedule 1f1b or auto"):
         compile_to(SAMPLES / "gpt.py", tmp_path / "no", gpus=2, pp=2, batch_size=32,

@@ -280,18 +280,21 @@ def test_the_group_probe_measures_on_its_replicas_while_the_others_wait() -> Non
 
 def _probe_steps(action: float, post: float, link: float) -> dict[str, float]:
     """Every schedule's probe step for a runtime that takes ``action`` per action and ``post``
-    per send or receive to the other device, simulated here from the probe's layout."""
+    per send or receive to the other device, ``link`` on the link for each crossing,
+    simulated here from the probe's layout."""
     steps = {}
     for schedule in SCHEDULES:
         stages = 2 if schedule in ("gpipe", "1f1b") else 4
         devices = [stage_device(schedule, k, 2) for k in range(stages)]
         crossing = [a != b for a, b in itertools.pairwise(devices)] + [False]
         posts = [int(k > 0 and crossing[k - 1]) + int(crossing[k]) for k in range(stages)]
-        forward = [action + post * n + link * crossing[k] for k, n in enumerate(posts)]
+        forward = [action + post * n for n in posts]
+        sent = [link * c for c in crossing]
         split = schedule in ("interleaved-zb", "zbv")
         backward = [f + action for f in forward] if split else forward
         steps[schedule] = simulate(schedule, forward, backward, SCHEDULE_MICRO_BATCHES, 2,
-                                   weight_s=[action] * stages if split else None).iteration_s
+                                   weight_s=[action] * stages if split else None,
+                                   transfer_s=(sent, [0.0, *sent[:-1]])).iteration_s
     return steps
 
 

@@ -210,3 +210,28 @@ def test_a_late_receive_waits_after_its_post_by_hand() -> None:
     assert [starts["B", 0, k] for k in range(3)] == [7.0, 9.5, 12.0]
     assert result.iteration_s == 14.0
     assert simulate("gpipe", [1.0, 1.0], [2.0, 2.0], 3).iteration_s == 12.0
+
+
+def test_a_transfer_holds_the_link_not_the_sender_by_hand() -> None:
+    """Two stages, GPipe, 2 micro-batches of 1 s forward and backward, 0.5 s on the link each
+    way. Stage 0 sends and goes on (its forwards end at 1 and 2). Stage 1's first input
+    arrives at 1.5 (forward 1.5–2.5); it asks for the second at 2.5, after it was sent, so the
+    transfer starts then (forward 3–4); backwards 4–5 and 5–6. Stage 0 asks for the first
+    gradient at 2, before it is sent: 5.5; for the second at 6.5, after: 7; so 8 in all."""
+    result = simulate("gpipe", [1.0, 1.0], [1.0, 1.0], 2, transfer_s=([0.5, 0.0], [0.0, 0.5]))
+    starts = {(a.kind, a.stage, a.micro_batch): a.start_s for a in result.actions}
+    assert [starts["F", 0, k] for k in range(2)] == [0.0, 1.0]
+    assert [starts["F", 1, k] for k in range(2)] == [1.5, 3.0]
+    assert [starts["B", 0, k] for k in range(2)] == [5.5, 7.0]
+    assert result.iteration_s == 8.0
+
+
+def test_a_late_receive_starts_the_transfer_when_it_asks_by_hand() -> None:
+    """As above, 3 micro-batches, 0.5 s per late receive and 0.25 s on the link forward:
+    stage 1's forward k asks when its forward k − 1 ends; input 0 arrives 0.25 after stage 0's
+    forward (1.25), inputs 1 and 2 were sent before the ask (2 < 2.25, 3 < 3.25), so each
+    arrives 0.5 + 0.25 after it (3.0, then 4.75)."""
+    result = simulate("gpipe", [1.0, 1.0], [1.0, 1.0], 3, late_receive_s=0.5,
+                      transfer_s=([0.25, 0.0], [0.0, 0.0]))
+    starts = {(a.kind, a.stage, a.micro_batch): a.start_s for a in result.actions}
+    assert [starts["F", 1, k] for k in range(3)] == [1.25, 3.0, 4.75]

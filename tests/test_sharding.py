@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ from conftest import (
 from pipec import planner
 from pipec.costmodel import Training, allreduce_s, optimizer_s, usable_memory
 from pipec.driver import CompileOptions, analyze
-from pipec.errors import ConfigError
+from pipec.errors import ConfigError, InfeasibleError
 from pipec.hardware import PRESETS
 from pipec.planning.sharding import HOST_BYTES, sharded_static_ratio
 
@@ -89,17 +90,20 @@ def test_auto_shards_where_only_sharding_fits_and_not_otherwise(tmp_path: Path) 
 
 
 def test_sharding_fits_a_larger_micro_batch(tmp_path: Path) -> None:
-    """On 4 devices of 2.7 MiB with AdamW, the GPT runs as 2 stages × 2 replicas; sharding
-    frees the optimizer state, so micro-batch 2 fits where DDP fits only 1 (the baselines,
-    never sharded, keep their maximum batch)."""
-    small = device_file(tmp_path, 2.7 * 2**20)
-    plans = {mode: compile_to(SAMPLES / "gpt.py", tmp_path / mode, gpus=4, pp=None,
-                              batch_size=16, hardware=small, fsdp=mode, optimizer="adamw")
-             for mode in ("off", "auto")}
-    assert plans["auto"].fsdp == "zero2"
-    assert (plans["auto"].pp, plans["auto"].dp) == (plans["off"].pp, plans["off"].dp) == (2, 2)
-    assert (plans["auto"].micro_batch, plans["off"].micro_batch) == (2, 1)
-    assert plans["auto"].max_batch[1:] == plans["off"].max_batch[1:]
+    """On 4 devices of 2.6 MiB with AdamW, as 2 stages × 2 replicas: sharding frees the
+    optimizer state, so micro-batch 2 fits where DDP fits only 1 (the baselines, never
+    sharded, keep their maximum batch)."""
+    small = device_file(tmp_path, 2.6 * 2**20)
+    options: dict[str, Any] = {"gpus": 4, "pp": 2, "batch_size": 16, "hardware": small,
+                               "optimizer": "adamw"}
+    with pytest.raises(InfeasibleError):
+        compile_to(SAMPLES / "gpt.py", tmp_path / "ddp2", fsdp="off", micro_batch=2, **options)
+    sharded = compile_to(SAMPLES / "gpt.py", tmp_path / "auto2", fsdp="auto", micro_batch=2,
+                         **options)
+    assert (sharded.fsdp, sharded.pp, sharded.dp) == ("zero2", 2, 2)
+    unsharded = compile_to(SAMPLES / "gpt.py", tmp_path / "off", fsdp="off", **options)
+    assert unsharded.micro_batch == 1
+    assert sharded.max_batch[1:] == unsharded.max_batch[1:]
 
 
 @pytest.mark.parametrize(("options", "message"), [

@@ -190,17 +190,32 @@ def timeline(e: Evaluated) -> Simulation:
 
 
 def _simulate(e: Evaluated, timeline: bool) -> Simulation:
-    fwd, bwd = stage_times(e)
-    cores, late = e.stage_costs.cores, e.stage_costs.late_receive_s
+    fwd, bwd = stage_times(e, boundary=False)
+    cores, late, links = e.stage_costs.cores, e.stage_costs.late_receive_s, transfer_s(e)
     if e.schedule not in ZERO_BUBBLE:
         return simulate(e.schedule, fwd, bwd, e.num_micro_batches, e.layout.pp, timeline,
-                        cores=cores, late_receive_s=late)
+                        cores=cores, late_receive_s=late, transfer_s=links)
     # The weights' gradient is an action of its own, and splitting costs both halves time.
     between = e.stage_costs.extra_action_s(e.schedule)  # the weights' action's, beyond its call
     bwd = [b + extra + between for b, extra in zip(bwd, split_backward_s(e), strict=True)]
     weights = [w + s / 2 for w, s in zip(stage_weight_s(e), _split_s(e), strict=True)]
     return simulate(e.schedule, fwd, bwd, e.num_micro_batches, e.layout.pp, timeline, weights,
-                    cores, late)
+                    cores, late, links)
+
+
+def transfer_s(e: Evaluated) -> tuple[list[float], list[float]]:
+    """Per stage, one way, the link's time for what its forward sends to the next stage and
+    its backward to the one before (StageCosts.cut_s holds both ways). The simulation puts it
+    between the send and the arrival, not in the sender's action: torch's runtime posts a
+    send and goes on (1F1B waits for it together with its next receive), and a send to a
+    receiver not yet asking starts only when it asks (gloo's rendezvous). On 2 processes
+    holding their cores 4 and 8 ms per action (benchmarks/link_side.py), 8 micro-batches of
+    4 MiB added 67.4 ms to a 1F1B step with the receiver slower, 57.7 with the sender slower;
+    so, 45.2 and 54.3 ms, against 30.0 and 52.2 with the sender paying (docs/cost-model.md)."""
+    cut, spans = e.stage_costs.cut_s, list(itertools.pairwise(e.boundaries))
+    forward = [float(cut[k, b]) / 2 for k, (_, b) in enumerate(spans)]
+    backward = [float(cut[k - 1, a]) / 2 if k else 0.0 for k, (a, _) in enumerate(spans)]
+    return forward, backward
 
 
 def split_backward_s(e: Evaluated) -> list[float]:
@@ -244,8 +259,9 @@ def rank(e: Evaluated) -> tuple[float, float, int, int, int]:
 
 
 def stage_bound_s(costs: Costs, e: Evaluated) -> float:
-    """A lower bound on the iteration time from the stage times, without simulating."""
-    fwd, bwd = stage_times(e)
+    """A lower bound on the iteration time from the stage times, without simulating (the
+    boundaries' transfers only lengthen it: on the link, not in a device's actions)."""
+    fwd, bwd = stage_times(e, boundary=False)
     bound = stage_lower_bound_s(fwd, bwd, e.num_micro_batches, e.layout.pp, e.schedule)
     cores = e.stage_costs.cores
     if cores is not None and cores.shared:
@@ -253,14 +269,16 @@ def stage_bound_s(costs: Costs, e: Evaluated) -> float:
     return bound + sum(step_terms(costs, e).values())
 
 
-def stage_times(e: Evaluated) -> tuple[list[float], list[float]]:
+def stage_times(e: Evaluated, boundary: bool = True) -> tuple[list[float], list[float]]:
     """Per stage, one micro-batch's forward and backward (a recomputing stage's backward runs
-    its forward again), each with half the boundary."""
+    its forward again), each with half the boundary unless the link carries it
+    (``boundary=False``: the simulation's, transfer_s)."""
     sc = e.stage_costs
     spans = list(itertools.pairwise(e.boundaries))
-    fwd = [stage_fwd_s(sc, k, a, b, e.schedule, e.recompute[k]) + float(sc.cut_s[k, b]) / 2
+    share = 0.5 if boundary else 0.0
+    fwd = [stage_fwd_s(sc, k, a, b, e.schedule, e.recompute[k]) + float(sc.cut_s[k, b]) * share
            for k, (a, b) in enumerate(spans)]
-    bwd = [stage_bwd_s(sc, k, a, b, e.recompute[k], e.schedule) + float(sc.cut_s[k, b]) / 2
+    bwd = [stage_bwd_s(sc, k, a, b, e.recompute[k], e.schedule) + float(sc.cut_s[k, b]) * share
            for k, (a, b) in enumerate(spans)]
     return fwd, bwd
 
