@@ -31,6 +31,7 @@ import queue
 import socket
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -42,7 +43,7 @@ from torch.distributed import pipelining
 
 SCHEDULES = ("ScheduleGPipe", "Schedule1F1B")
 STEPS, WARM_UP = 12, 2
-TIMEOUT_S = 600
+TIMEOUT_S = 1200
 
 
 def main() -> None:
@@ -53,25 +54,38 @@ def main() -> None:
     parser.add_argument("--tensors", type=int, nargs="+", default=[1], choices=(1, 2, 3, 4),
                         help="tensors a boundary carries, each measured (1)")
     args = parser.parse_args()
+    figures = on_two_processes(_worker, args)
+    _report(figures, args)
+
+
+def on_two_processes(worker: Callable[..., None], *arguments: Any) -> Any:
+    """What rank 0 of two forked processes puts in the queue: each runs ``worker(rank, port,
+    *arguments, results)``."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     context = mp.get_context("fork")
     results = context.Queue()
-    workers = [context.Process(target=_worker, args=(rank, port, args, results))
+    workers = [context.Process(target=worker, args=(rank, port, *arguments, results))
                for rank in (0, 1)]
-    for worker in workers:
-        worker.start()
+    for process in workers:
+        process.start()
     try:
-        figures = results.get(timeout=TIMEOUT_S)  # a worker that died answers never
+        return results.get(timeout=TIMEOUT_S)  # a worker that died answers never
     except queue.Empty:
         raise SystemExit(f"the workers did not answer in {TIMEOUT_S} s") from None
     finally:
-        for worker in workers:
-            worker.join(timeout=5)
-            if worker.is_alive():
-                worker.terminate()
-    _report(figures, args)
+        for process in workers:
+            process.join(timeout=5)
+            if process.is_alive():
+                process.terminate()
+
+
+def join_pair(rank: int, port: int) -> None:
+    """This process into the 2-process gloo group, computing on one thread."""
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
 
 
 class _Hold(torch.autograd.Function):
@@ -120,9 +134,7 @@ class _Stage(nn.Module):
 
 
 def _worker(rank: int, port: int, args: argparse.Namespace, results: Any) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    join_pair(rank, port)
     steps: dict[tuple[str, bool, int], list[float]] = {}
     for round_ in range(args.rounds):
         for schedule in SCHEDULES:

@@ -19,9 +19,6 @@ configuration's step (the median of 10 after 2 warm-ups), in alternating order.
 from __future__ import annotations
 
 import argparse
-import os
-import queue
-import socket
 import statistics
 import time
 from pathlib import Path
@@ -29,8 +26,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from busy_links import _Hold
+from busy_links import _Hold, join_pair, on_two_processes
 from commands import ROOT
 from tabulate import tabulate
 from torch import nn
@@ -41,7 +37,6 @@ from pipec.measured import measure_locally
 from pipec.schedule import simulate
 
 STEPS, WARM_UP = 10, 2
-TIMEOUT_S = 1200
 Config = tuple[float, float, int]  # stage 0's and stage 1's ms per action, bytes a micro-batch
 
 
@@ -94,32 +89,13 @@ def main() -> None:
 
 
 def _measure(configs: list[Config], args: argparse.Namespace) -> dict[Config, list[float]]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    context = mp.get_context("fork")
-    results = context.Queue()
-    workers = [context.Process(target=_worker, args=(rank, port, configs, args, results))
-               for rank in (0, 1)]
-    for worker in workers:
-        worker.start()
-    try:
-        figures: dict[Config, list[float]] = results.get(timeout=TIMEOUT_S)
-    except queue.Empty:
-        raise SystemExit(f"the workers did not answer in {TIMEOUT_S} s") from None
-    finally:
-        for worker in workers:
-            worker.join(timeout=5)
-            if worker.is_alive():
-                worker.terminate()
+    figures: dict[Config, list[float]] = on_two_processes(_worker, configs, args)
     return figures
 
 
 def _worker(rank: int, port: int, configs: list[Config], args: argparse.Namespace,
             results: Any) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    join_pair(rank, port)
     steps: dict[Config, list[float]] = {}
     for round_ in range(args.rounds):
         for config in configs if round_ % 2 == 0 else configs[::-1]:
