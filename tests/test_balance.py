@@ -52,6 +52,7 @@ def test_the_stage_count_follows_the_boundaries_when_pp_is_searched(tmp_path: Pa
 
 @pytest.mark.parametrize(("options", "message"), [
     ({"boundaries": (5, 8)}, "gives 2 boundaries, so 3 stages, but the plans"),
+    ({"boundaries": (5,), "pp": 1}, "so 2 stages, but the plans .* allow have 1 stage;"),
     ({"boundaries": (9, 5)}, "give increasing node indices from 1 to"),
     ({"boundaries": (0,)}, "give increasing node indices from 1 to"),
     ({"boundaries": (10_000,)}, "give increasing node indices from 1 to"),

@@ -93,10 +93,11 @@ def pinned_points(request: PlanRequest, found: list[Point]) -> list[Point]:
     kept = [p for p in found if p.layout.stages == stages]
     if found and not kept:
         counts = sorted({p.layout.stages for p in found})
+        allowed = " or ".join(map(str, counts)) + (" stage" if counts == [1] else " stages")
         raise ConfigError(f"--boundaries gives {stages - 1} boundaries, so {stages} stages, "
                           f"but the plans --pp, --schedule and --virtual-stages allow have "
-                          f"{' or '.join(map(str, counts))} stages; give one boundary fewer "
-                          "than the stages (pp × virtual stages per device)")
+                          f"{allowed}; give one boundary fewer than the stages (pp × virtual "
+                          "stages per device)")
     return kept
 
 
