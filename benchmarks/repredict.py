@@ -1,8 +1,8 @@
 """Score the present time model against a saved fidelity run: no launches, only compiles.
 
 Every plan a `benchmarks/fidelity.py --json` run trained is compiled again with the present
-pipec, pinned to the run's layout, micro-batch, schedule and virtual stages (a baseline with its
-`--strategy` too), and its step predicted again from this machine's measurements (pipec's cache,
+pipec, pinned to the run's layout, micro-batch, schedule, virtual stages and boundaries (below),
+and its step predicted again from this machine's measurements (pipec's cache,
 measured once where missing: `--cache DIR` keeps them apart). The run's measured steps do not
 change, so a change to the model is judged on an hour of launches in well under a minute
 (re-predicting the 54 plans of the fourteenth session's run: 32 s with its measurements
