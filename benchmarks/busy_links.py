@@ -154,7 +154,11 @@ def _step_s(rank: int, schedule: str, spin: bool, tensors: int,
                                      2, torch.device("cpu"))
     runner = getattr(pipelining, schedule)(stage, args.micro_batches,
                                            loss_fn=lambda out, target: out.sum())
-    inputs = torch.ones(args.micro_batches, 4)
+    return median_step_s(runner, rank, torch.ones(args.micro_batches, 4))
+
+
+def median_step_s(runner: Any, rank: int, inputs: torch.Tensor) -> float:
+    """The median of STEPS steps of a 2-rank schedule after WARM_UP, each started together."""
     times = []
     for _ in range(STEPS + WARM_UP):
         dist.barrier()

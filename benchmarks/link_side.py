@@ -13,7 +13,7 @@ the eighteenth session the sender's actions held it.
 The model's inputs are this machine's: the runtime probe's figures for 2 processes (pipec's
 cache, measured once where missing) and the toy stage's own forward and backward, timed here
 in one process (its multiply and copies, which grow with the bytes too). Each round times every
-configuration's step (the median of 10 after 2 warm-ups), in alternating order.
+configuration's step (the median of 12 after 2 warm-ups), in alternating order.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from busy_links import _Hold, join_pair, on_two_processes
+from busy_links import _Hold, join_pair, median_step_s, on_two_processes
 from commands import ROOT
 from tabulate import tabulate
 from torch import nn
@@ -36,7 +36,6 @@ from pipec.hardware import Device, action_s, load_devices
 from pipec.measured import measure_locally
 from pipec.schedule import simulate
 
-STEPS, WARM_UP = 10, 2
 Config = tuple[float, float, int]  # stage 0's and stage 1's ms per action, bytes a micro-batch
 
 
@@ -108,14 +107,7 @@ def _worker(rank: int, port: int, configs: list[Config], args: argparse.Namespac
 def _step_s(rank: int, config: Config, micro_batches: int) -> float:
     stage = pipelining.PipelineStage(_Stage(config[rank] / 1e3), rank, 2, torch.device("cpu"))
     runner = pipelining.Schedule1F1B(stage, micro_batches, loss_fn=lambda out, _: out.sum())
-    data = torch.ones(micro_batches, config[2] // 4)
-    times = []
-    for _ in range(STEPS + WARM_UP):
-        dist.barrier()
-        started = time.perf_counter()
-        runner.step(*((data,) if rank == 0 else ()), target=data if rank == 1 else None)
-        times.append(time.perf_counter() - started)
-    return statistics.median(times[WARM_UP:])
+    return median_step_s(runner, rank, torch.ones(micro_batches, config[2] // 4))
 
 
 def _device() -> Device:

@@ -105,7 +105,8 @@ def _add_compile(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
                    "are searched)")
     p.add_argument("--boundaries", type=_node_indices, default=None, metavar="N[,N...]",
                    help="pin the stage boundaries (the search still chooses the micro-batch, "
-                   "schedule and replicas): each stage's first node after the first stage's, "
+                   "schedule and replicas; nothing recomputes): each stage's first node after "
+                   "the first stage's, "
                    "as plan.json's stages[].nodes gives it; one fewer than the stages")
     p.add_argument("--norm", choices=NORM_CHOICES, default="auto",
                    help="BatchNorm handling (auto: GroupNorm when pipelined, SyncBatchNorm when "

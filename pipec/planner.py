@@ -68,6 +68,8 @@ def plan(graph: CostGraph, request: PlanRequest) -> Plan:
     costs = Costs(graph, request)
     layouts = layouts_to_search(costs)
     found = search(costs, points(costs, layouts), decision_margin(request))
+    if found.best is None and request.boundaries is not None:
+        raise _pinned_infeasible(request, found.candidates)
     if found.best is None:
         raise _infeasible(costs, layouts[-1])
     searched = _pp_dp(found.best.layout)
@@ -115,6 +117,9 @@ def _check_boundaries(costs: Costs) -> None:
     if costs.request.strategy != "pipec":
         raise ConfigError(f"--boundaries with --strategy {costs.request.strategy}: a baseline "
                           "places its own boundaries; drop one of the two")
+    if costs.request.recompute in ("full", "selective"):
+        raise ConfigError(f"--boundaries with --recompute {costs.request.recompute}: a pinned "
+                          "split is planned without recomputation; drop one of the two")
     if not pinned or list(pinned) != sorted(set(pinned)) or not 0 < pinned[0] <= pinned[-1] < n:
         raise ConfigError(f"--boundaries {','.join(map(str, pinned))}: give increasing node "
                           f"indices from 1 to {n - 1}, each the first node of a stage (as "
@@ -166,6 +171,17 @@ def _check(request: PlanRequest) -> None:
     if len(request.devices) != request.gpus:
         raise ConfigError(f"--hardware lists {len(request.devices)} devices but --gpus is "
                           f"{request.gpus}; list one device per GPU")
+
+
+def _pinned_infeasible(request: PlanRequest, candidates: tuple[Candidate, ...]
+                       ) -> InfeasibleError:
+    """No point fits the split --boundaries pins: the leanest one evaluated, and the fix."""
+    leanest = min(candidates, key=lambda c: c.peak_memory_bytes)
+    return InfeasibleError(
+        f"the split --boundaries pins does not fit: its leanest plan (micro-batch "
+        f"{leanest.micro_batch}, {leanest.schedule}) needs {gib(leanest.peak_memory_bytes)} on "
+        f"its fullest device on {request.hardware}; move the boundaries, or leave --boundaries "
+        "out to let pipec place them within memory (recomputing where a stage must)")
 
 
 def _infeasible(costs: Costs, layout: Layout) -> InfeasibleError:

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import MODELS, SAMPLES, compile_to
+from conftest import MODELS, SAMPLES, compile_to, device_file
 from pipec.cli import main
-from pipec.errors import ConfigError
+from pipec.errors import ConfigError, InfeasibleError
 
 
 def _starts(out: Path) -> list[int]:
@@ -57,6 +57,7 @@ def test_the_stage_count_follows_the_boundaries_when_pp_is_searched(tmp_path: Pa
     ({"boundaries": (0,)}, "give increasing node indices from 1 to"),
     ({"boundaries": (10_000,)}, "give increasing node indices from 1 to"),
     ({"boundaries": (5,), "strategy": "uniform"}, "a baseline places its own boundaries"),
+    ({"boundaries": (5,), "recompute": "full"}, "planned without recomputation"),
 ])
 def test_bad_boundaries(options: dict[str, object], message: str, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=message):
@@ -76,3 +77,16 @@ def test_boundaries_that_are_not_numbers_are_a_usage_error(
         main(["compile", "m.py", "--boundaries", "12,x"])
     assert exit_info.value.code == 2
     assert "expected node indices separated by commas" in capsys.readouterr().err
+
+
+def test_a_pinned_split_that_does_not_fit_says_what_it_needs(tmp_path: Path) -> None:
+    """On 2 devices of 2.6 MiB the GPT's own split fits (AdamW, 2 stages); the split with all
+    but the last node on the first stage does not, and the error names its leanest plan's
+    need and the fix."""
+    small = device_file(tmp_path, 2.6 * 2**20)
+    options = {"gpus": 2, "batch_size": 16, "hardware": small, "optimizer": "adamw"}
+    own = compile_to(SAMPLES / "gpt.py", tmp_path / "own", **options)
+    assert own.pp == 2
+    with pytest.raises(InfeasibleError, match=r"the split --boundaries pins does not fit: .* "
+                       r"needs [0-9.]+ GiB on its fullest device .* leave --boundaries out"):
+        compile_to(SAMPLES / "gpt.py", tmp_path / "pinned", boundaries=(124,), **options)
