@@ -36,8 +36,9 @@ def split_backward_timing(gm: fx.GraphModule, inputs: dict[int, tuple[torch.Tens
     largest of the sizes in ``inputs``: every plan's micro-batch lies between, where the
     timing interpolates. Measured at the smallest and the middle size until the nineteenth
     session, the deep MLP's (1 and 8: 2.5 and 4.3 ms) continued its slope to 18 ms at
-    micro-batch 64, where it measures 2.7-3.3 ms; its zero-bubble plans were predicted 23 %
-    slower than measured, relative to its other plans, over six saved runs."""
+    micro-batch 64, where it measures 2.7–3.9 ms; its zero-bubble plans were predicted 24 %
+    slower than measured, relative to its other plans, over six saved runs (the median log
+    ratio)."""
     sizes = sorted(inputs)
     measured = sorted({sizes[0], sizes[-1]})
     extra = tuple(_extra_s(gm, inputs[size], device) for size in measured)
