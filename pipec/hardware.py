@@ -53,7 +53,7 @@ class Device:
     step_overhead_s: float = 0.0
     # Per schedule, the runtime's own time per action (its bookkeeping between actions), in
     # place of action_overhead_s; measured here, one fit for every schedule
-    # (pipec.measured.runtime_action_fit).
+    # (pipec.runtimefit.runtime_action_fit).
     schedule_action_s: tuple[tuple[str, float], ...] = ()
     # What an action pays per send or receive it posts to a stage on another device, beyond
     # the link's latency and bytes: torch's batch_isend_irecv on gloo and its wait (measured
@@ -79,7 +79,7 @@ class Device:
     # What an all-reduce blocking in the middle of a pass costs within a node (a synchronized
     # BatchNorm's, forward and backward): blocking_collective_s + blocking_drift · √T, T the
     # seconds of compute since the one before (the replicas drift apart in between; measured:
-    # pipec.allreduces, fitted by pipec.measured.blocking_fit). 0, 0: not measured, and the
+    # pipec.allreduces, fitted by pipec.runtimefit.blocking_fit). 0, 0: not measured, and the
     # all-reduce's latency and step_collective_s stand for it.
     blocking_collective_s: float = 0.0
     blocking_drift: float = 0.0  # seconds per √second

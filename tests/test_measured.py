@@ -15,16 +15,10 @@ from pipec.calibrate import profile_model
 from pipec.calibrationfile import save_calibration
 from pipec.errors import ConfigError
 from pipec.loader import load_model_file
-from pipec.measured import (
-    Target,
-    blocking_fit,
-    cache_key,
-    data_parallel_fit,
-    runtime_action_fit,
-    training_threads,
-)
+from pipec.measured import Target, cache_key, training_threads
 from pipec.planner import Plan
 from pipec.probe import RuntimeFigures
+from pipec.runtimefit import blocking_fit, data_parallel_fit, runtime_action_fit
 
 MLP = SAMPLES / "mlp.py"
 
