@@ -34,7 +34,7 @@ from torch.distributed import pipelining
 
 from pipec.hardware import Device, action_s, load_devices
 from pipec.measured import measure_locally
-from pipec.schedule import simulate
+from pipec.simulate import simulate
 
 Config = tuple[float, float, int]  # stage 0's and stage 1's ms per action, bytes a micro-batch
 

@@ -81,7 +81,7 @@ def arrival_s(steps: Steps, end: list[float], need: int, device: int, posted_s: 
               late_receive_s: float, transfer_s: Sequence[float]) -> float:
     """When step ``need``'s output is ready on ``device``, whose receive was posted (its previous
     step ended) at ``posted_s``: ``transfer_s[need]`` after it is sent, at its end, or
-    ``late_receive_s`` after the post where it ended before (pipec.schedule); -1 needs
+    ``late_receive_s`` after the post where it ended before (pipec.simulate); -1 needs
     nothing, and a step of the same device hands its output over in memory."""
     if need < 0:
         return 0.0

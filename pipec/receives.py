@@ -12,7 +12,7 @@ critical paths showed the same: middle stages of a 4-stage GPT pipeline waited a
 
 So the probe sends micro-batches down a chain of every process, and the median time from a
 late receive's post (one whose input was sent before) to its arrival is the simulation's
-``late_receive_s`` (pipec.schedule). Every process's clock is the machine's monotonic one.
+``late_receive_s`` (pipec.simulate). Every process's clock is the machine's monotonic one.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from tabulate import tabulate
 
 from pipec.normalize import NormPlan
 from pipec.planner import Plan
-from pipec.schedule import Simulation
+from pipec.simulate import Simulation
 from pipec.units import duration, mib, module_list
 
 TOP_CANDIDATES = 10

@@ -2,7 +2,7 @@
 data-parallel step's wait, bandwidth and time per gradient tensor, a blocking all-reduce's
 drift, and the runtime's time per action and per posted send or receive. Each fit makes the
 model reproduce what the probe measured, through the same formulas and simulator the planner
-uses (pipec.costmodel, pipec.schedule)."""
+uses (pipec.costmodel, pipec.simulate)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from pipec.actions import SCHEDULE_MICRO_BATCHES
 from pipec.allreduces import DATA_PARALLEL_SHAPES, data_parallel_bytes, data_parallel_tensors
 from pipec.costmodel import data_parallel_collectives
 from pipec.probe import RuntimeFigures
-from pipec.schedule import ZERO_BUBBLE, posted_links, simulate, stage_device
+from pipec.schedule import ZERO_BUBBLE, posted_links, stage_device
+from pipec.simulate import simulate
 
 
 def data_parallel_fit(runtime: RuntimeFigures, replicas: int | None = None

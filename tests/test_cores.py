@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipec.cores import SharedCores
-from pipec.schedule import SCHEDULES, Action, runs, simulate, stage_lower_bound_s
+from pipec.schedule import SCHEDULES, runs
+from pipec.simulate import Action, simulate, stage_lower_bound_s
 
 
 def _stage_times(draw: st.DrawFn, stages: int) -> list[float]:

@@ -17,7 +17,8 @@ from pipec.hardware import PRESETS
 from pipec.measured import _with_runtime
 from pipec.probe import RuntimeFigures
 from pipec.runtimefit import blocking_fit, data_parallel_fit, probe_cuts, runtime_action_fit
-from pipec.schedule import SCHEDULES, simulate, stage_device
+from pipec.schedule import SCHEDULES, stage_device
+from pipec.simulate import simulate
 
 UNMEASURED = ((0.0, 0.0),) * len(DATA_PARALLEL_SHAPES)  # the data-parallel steps, not probed
 

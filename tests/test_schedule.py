@@ -9,16 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
 
-from pipec.schedule import (
-    action_order,
-    awaiting_weights,
-    in_flight,
-    lower_bound_s,
-    order_changes,
-    runs,
-    simulate,
-    stage_lower_bound_s,
-)
+from pipec.schedule import action_order, awaiting_weights, in_flight, order_changes, runs
+from pipec.simulate import lower_bound_s, simulate, stage_lower_bound_s
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

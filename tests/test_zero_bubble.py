@@ -12,15 +12,8 @@ from torch.distributed.pipelining.schedules import (
     ScheduleZBVZeroBubble,
 )
 
-from pipec.schedule import (
-    action_order,
-    in_flight,
-    lower_bound_s,
-    runs,
-    simulate,
-    stage_device,
-    stage_lower_bound_s,
-)
+from pipec.schedule import action_order, in_flight, runs, stage_device
+from pipec.simulate import lower_bound_s, simulate, stage_lower_bound_s
 
 KINDS = {"FORWARD": "F", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W", "FULL_BACKWARD": "B"}
 

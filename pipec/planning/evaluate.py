@@ -22,16 +22,8 @@ from pipec.planning.balance import Balance, boundaries
 from pipec.planning.costs import Costs, Layout, Point, StageCosts
 from pipec.planning.sharding import SHARDED, collective_count, collectives_s
 from pipec.planning.values import PlanRequest
-from pipec.schedule import (
-    HOLDS_SENDS,
-    SCHEDULES,
-    ZERO_BUBBLE,
-    Simulation,
-    awaiting_weights,
-    in_flight,
-    simulate,
-    stage_lower_bound_s,
-)
+from pipec.schedule import HOLDS_SENDS, SCHEDULES, ZERO_BUBBLE, awaiting_weights, in_flight
+from pipec.simulate import Simulation, simulate, stage_lower_bound_s
 from pipec.stagememory import StageMemory, StageRole, stage_memory
 
 

@@ -13,7 +13,8 @@ from pipec.planning.choice import candidate
 from pipec.planning.costs import Costs, Point
 from pipec.planning.evaluate import Evaluated, partition, rank, stage_bound_s, timed
 from pipec.planning.values import Candidate
-from pipec.schedule import SCHEDULES, lower_bound_s
+from pipec.schedule import SCHEDULES
+from pipec.simulate import lower_bound_s
 
 # Bounds and simulations sum the same times in different orders: a bound is compared with this
 # margin.
@@ -80,7 +81,7 @@ def point_order(point: Point) -> tuple[int, int, int, int]:
 
 def _lower_bound(costs: Costs, point: Point) -> float:
     """No candidate is faster: the schedule's bound on the work at the fastest device's speed
-    (schedule.lower_bound_s), then the all-reduce of 1/pp of the gradients over the fastest
+    (simulate.lower_bound_s), then the all-reduce of 1/pp of the gradients over the fastest
     device's fastest link (within or across nodes)."""
     layout = point.layout
     micro_batches = costs.request.global_batch // (layout.dp * point.micro_batch)

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from pipec.costmodel import Calibration, Training
 from pipec.hardware import Device
-from pipec.schedule import Simulation
+from pipec.simulate import Simulation
 from pipec.stagememory import StageMemory
 
 if TYPE_CHECKING:
