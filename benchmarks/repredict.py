@@ -41,7 +41,8 @@ from pathlib import Path
 from typing import Any
 
 from commands import ROOT
-from fidelity import BASELINES, CASES, between_plans
+from fidelity import CASES
+from fidelity_report import BASELINES, between_plans
 from tabulate import tabulate
 
 from pipec.cli import main as pipec
