@@ -55,9 +55,9 @@ def report(results: list[dict[str, Any]]) -> None:
           f"{TARGET_REGRET:.0%}) {_outcomes(regrets)}; pick ≥ every baseline "
           f"{_outcomes(baselines)}; the pick's launches spread a median "
           f"{statistics.median(noise):.1%}")
-    spread = between_plans(results)
-    print(f"between plans of one model: measured ÷ predicted sits a median {spread[0]:.1%} "
-          f"(75th percentile {spread[1]:.1%}) from its model's other plans' median ratio, over "
+    between = between_plans(results)
+    print(f"between plans of one model: measured ÷ predicted sits a median {between[0]:.1%} "
+          f"(75th percentile {between[1]:.1%}) from its model's other plans' median ratio, over "
           f"{sum(len(r['plans']) for r in results)} plans (planning.choice's margin)")
     print(path_line(results))
 
@@ -87,6 +87,7 @@ def _outcomes(counts: Counter[str]) -> str:
 
 
 def read_results(path: Path) -> list[dict[str, Any]]:
+    """The cases of a file fidelity.py --json wrote; exits with the fix for any other file."""
     try:
         results: list[dict[str, Any]] = json.loads(path.read_text())
     except (OSError, ValueError) as exc:

@@ -10,7 +10,7 @@ cached). Per case it prints each plan's step as predicted then and now, as measu
 errors; then, then and now:
 
 - the median step-time error (median over cases of each case's median, as fidelity.py);
-- the error between plans of one model (fidelity.py's `between_plans`): what decides between
+- the error between plans of one model (fidelity_report.py's `between_plans`): what decides between
   plans, and what planning.choice's margin must cover;
 - the regret of the plan predicted fastest among those the run measured (its step ÷ the
   fastest measured, from the run's paired launches): the margin and the complexity order left

@@ -6,7 +6,8 @@ A blocking all-reduce in a pass waits for the slowest replica. Measured on the 2
 development CPU, each one that a conv → BatchNorm → ReLU block runs forward and backward adds
 1.9 ms to a step with 0.5 ms of compute between two of them, and 3.8 ms with 12.5 ms: beyond
 the all-reduce's own 0.5 ms back to back, the replicas' compute drifts apart between two waits
-(pipec.measured fits latency + drift · √compute through the two sizes measured here).
+(pipec.runtimefit.blocking_fit fits latency + drift · √compute through the two sizes measured
+here).
 
 A pipeline's replicas all-reduce in groups smaller than the machine's processes (pp × dp: dp
 replicas per position), and the all-reduce on a step's critical path is the one its first

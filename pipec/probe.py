@@ -11,7 +11,7 @@ all-reduces' in pipec.allreduces.
   runtime's own time per action;
 - **per action, by schedule**: the same layer as a 2-device pipeline under each schedule (two
   stages per device where the schedule has more), whole steps timed, the schedules in turns:
-  the schedule runtime's sends, receives and bookkeeping between actions (pipec.measured fits
+  the schedule runtime's sends, receives and bookkeeping between actions (pipec.runtimefit fits
   them per action);
 - **split backward**: a 32-operation stack of linear layers, its backward run whole and split
   as the zero-bubble schedules split it (torch's stage_backward_input and
@@ -21,7 +21,7 @@ all-reduces' in pipec.allreduces.
 - **per step**: an all-reduce of one value (train.py shares the loss every step);
 - **data-parallel steps**: a stack of linear layers trained under DistributedDataParallel over
   every process, with the loss's all-reduce, against the same steps without them, at two
-  gradient sizes (pipec.measured fits DDP's time per step in context: its all-reduces start
+  gradient sizes (pipec.runtimefit fits DDP's time per step in context: its all-reduces start
   after compute, when gloo's threads must wake on cores the training keeps busy), and again
   on each smaller group a pp × dp layout has (2 of 4 processes), the others waiting;
 - **blocking all-reduces**: conv → BatchNorm → ReLU blocks with an all-reduce of a BatchNorm's

@@ -43,13 +43,14 @@ def test_a_saved_run_is_judged_again_case_by_case(capsys: pytest.CaptureFixture[
 
 
 def test_a_baseline_measured_faster_is_named_with_its_verdict() -> None:
-    pick = _plan(["pipec"], 1.0, [1.0, 1.0], [1.0] * 8)
-    rival = _plan(["uniform"], 1.1, [0.9, 0.9], [0.9] * 8)  # 6 of 6 dueled pairs below
+    pick = _plan(["pipec"], 1.0, [1.0, 1.0], [1.0, 1.0])  # 2 rounds
+    rival = _plan(["uniform"], 1.1, [0.9, 0.9], [0.9] * 8)  # and 6 of 6 dueled pairs below
     case = {"case": "toy", "median_error": 0.0, "worst_error": 0.1, "rank_correlation": 1.0,
             "regret": 1 / 0.9 - 1, "pick_vs_baselines": {"uniform": 0.9},
             "pick_spread": spread([1.0, 1.0]), "pick_launches": 2, "plans": [pick, rival]}
     line = verdict(case)
     assert "a baseline measured faster (its step ÷ pipec's): uniform 0.900 (missed" in line
+    assert "6 of 6 pairs below" in line
     assert "regret 11.1% (missed" in line
 
 
