@@ -6,7 +6,7 @@ machine) gives pipec's pick; its next `--candidates` fastest candidates that fit
 every other pp × dp split it evaluated, and each baseline (`--strategy uniform, parameters,
 torchgpipe, conventional`), are compiled too. Every
 distinct plan is trained under torchrun with `--metrics` for `--steps` steps, or more where
-its timed steps would span under about a second by its predicted step (on a CPU the first 3
+its timed steps would span under about 5 seconds by its predicted step (on a CPU the first 3
 measure memory and the 4th warms up again; the rest are timed), `--rounds` times, the plans
 taking turns so that drift in the machine's speed falls on all of them alike.
 
@@ -54,7 +54,11 @@ from tabulate import tabulate
 
 from pipec.critical import mean_breakdown
 
-TIMED_S = 1.0  # each launch times about this long at least (from the predicted step)
+# Each launch times about this long at least (from the predicted step). 5 s, not 1 s since the
+# twentieth session: the same plan launched 6 times each way (mlp, gpt and imbalanced on 2
+# processes, gpt on 4) spread a median 0.106 → 0.076 (sd of log step), consecutive launches'
+# ratio 0.134 → 0.091, for launches 55 % longer (5.5 → 8.9 s for the GPT's).
+TIMED_S = 5.0
 UNTIMED_STEPS = 4  # train.py --metrics on a CPU: 3 measure memory, the 4th warms up again
 
 
