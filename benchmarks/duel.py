@@ -1,0 +1,83 @@
+"""Which of two compiled plans trains faster here? Their train.py launched in turns, one pair at
+a time, who goes first alternating; each launch times about `--timed-s` seconds of steps.
+
+A fidelity run's verdict "within noise" is a rival within a few per cent of the pick whose six
+pairs fell on both sides; this settles one such pair of plans with as many pairs as it takes
+(the twentieth session's 4-process GPT: the splits at nodes 64 and 66, 5 of 6 pairs against
+the pick in two runs, measured 1.002 over 10 pairs alone). Both directories come from
+`pipec compile` (pin a plan with `--pp`, `--micro-batch`, `--schedule`, `--boundaries`, ...)
+and must train on the same number of processes. It prints each pair and then the median ratio
+(A's step ÷ B's) and a two-sided sign test (benchmarks/paired.py): the chance of pairs at
+least this lopsided if neither plan were faster.
+
+    python benchmarks/duel.py OUT_A OUT_B [--pairs 10] [--timed-s 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from pathlib import Path
+
+from commands import TORCHRUN, run
+from paired import sign_p
+
+UNTIMED_STEPS = 4  # train.py --metrics on a CPU: 3 measure memory, the 4th warms up again
+
+
+def processes(out: Path) -> int:
+    """The processes a compiled plan trains on (pp × dp), or exit with what is wrong."""
+    try:
+        plan = json.loads((out / "plan.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"{out}: no readable plan.json ({exc}); give a `pipec compile` "
+                         "output directory") from None
+    return int(plan["pp"]) * int(plan["dp"])
+
+
+def launch(out: Path, count: int, timed_s: float) -> float:
+    """One launch's mean timed step (train.py --metrics), enough steps for ``timed_s``."""
+    plan = json.loads((out / "plan.json").read_text())
+    steps = UNTIMED_STEPS + math.ceil(timed_s / float(plan["predicted"]["iteration_s"]))
+    (out / "metrics.json").unlink(missing_ok=True)
+    run([str(TORCHRUN), "--standalone", "--nproc_per_node", str(count), "train.py", "--steps",
+         str(steps), "--metrics", "metrics.json"], cwd=out, attempts=2)
+    return float(json.loads((out / "metrics.json").read_text())["step_s"])
+
+
+def verdict(ratios: list[float]) -> str:
+    """The median ratio, how many pairs fell below 1, and the two-sided sign test's p."""
+    below = sum(r < 1 for r in ratios)
+    above = sum(r > 1 for r in ratios)
+    lopsided = ratios if below >= above else [1 / r for r in ratios]
+    p = min(1.0, 2 * sign_p(lopsided, 1.0))
+    return (f"A ÷ B: median {statistics.median(ratios):.3f} over {len(ratios)} pairs "
+            f"({min(ratios):.3f}–{max(ratios):.3f}), {below} below 1, {above} above; "
+            f"two-sided sign test p = {p:.3f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("a", type=Path, help="a pipec compile output directory")
+    parser.add_argument("b", type=Path, help="another, for the same number of processes")
+    parser.add_argument("--pairs", type=int, default=10)
+    parser.add_argument("--timed-s", type=float, default=5.0)
+    args = parser.parse_args()
+    count = processes(args.a)
+    if processes(args.b) != count or args.pairs < 1 or args.timed_s <= 0:
+        raise SystemExit(f"{args.a} and {args.b} must train on as many processes "
+                         f"({count} and {processes(args.b)}), with --pairs ≥ 1 and --timed-s > 0")
+    ratios = []
+    for pair in range(args.pairs):
+        order = (args.a, args.b) if pair % 2 == 0 else (args.b, args.a)
+        steps = {out: launch(out, count, args.timed_s) for out in order}
+        ratios.append(steps[args.a] / steps[args.b])
+        print(f"pair {pair + 1}: A {steps[args.a] * 1e3:.2f} ms, B {steps[args.b] * 1e3:.2f} "
+              f"ms, A ÷ B {ratios[-1]:.3f}", flush=True)
+    print(verdict(ratios))
+
+
+if __name__ == "__main__":
+    main()
