@@ -2,9 +2,9 @@
 a time, who goes first alternating; each launch times about `--timed-s` seconds of steps.
 
 A fidelity run's verdict "within noise" is a rival within a few per cent of the pick whose six
-pairs fell on both sides; this settles one such pair of plans with as many pairs as it takes
-(the twentieth session's 4-process GPT: the splits at nodes 64 and 66, 5 of 6 pairs against
-the pick in two runs, measured 1.002 over 10 pairs alone). Both directories come from
+pairs fell on both sides; this tests one such pair of plans alone over `--pairs` pairs (the
+twentieth session's 4-process GPT: the split at node 64, 5 of 6 pairs below the pick at 65,
+then at 66, in two runs; against 66 alone, 1.002 over 10 pairs). Both directories come from
 `pipec compile` (pin a plan with `--pp`, `--micro-batch`, `--schedule`, `--boundaries`, ...)
 and must train on the same number of processes. It prints each pair and then the median ratio
 (A's step ÷ B's) and a two-sided sign test (benchmarks/paired.py): the chance of pairs at
@@ -25,22 +25,24 @@ from commands import TORCHRUN, run
 from paired import sign_p
 
 UNTIMED_STEPS = 4  # train.py --metrics on a CPU: 3 measure memory, the 4th warms up again
+MIN_STEPS = 10  # as fidelity.py's --steps: a slow plan still times several steps
 
 
 def processes(out: Path) -> int:
     """The processes a compiled plan trains on (pp × dp), or exit with what is wrong."""
     try:
         plan = json.loads((out / "plan.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise SystemExit(f"{out}: no readable plan.json ({exc}); give a `pipec compile` "
+        return int(plan["pp"]) * int(plan["dp"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise SystemExit(f"{out}: no readable plan.json ({exc!r}); give a `pipec compile` "
                          "output directory") from None
-    return int(plan["pp"]) * int(plan["dp"])
 
 
 def launch(out: Path, count: int, timed_s: float) -> float:
     """One launch's mean timed step (train.py --metrics), enough steps for ``timed_s``."""
     plan = json.loads((out / "plan.json").read_text())
-    steps = UNTIMED_STEPS + math.ceil(timed_s / float(plan["predicted"]["iteration_s"]))
+    steps = max(MIN_STEPS,
+                UNTIMED_STEPS + math.ceil(timed_s / float(plan["predicted"]["iteration_s"])))
     (out / "metrics.json").unlink(missing_ok=True)
     run([str(TORCHRUN), "--standalone", "--nproc_per_node", str(count), "train.py", "--steps",
          str(steps), "--metrics", "metrics.json"], cwd=out, attempts=2)
@@ -65,10 +67,13 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=10)
     parser.add_argument("--timed-s", type=float, default=5.0)
     args = parser.parse_args()
-    count = processes(args.a)
-    if processes(args.b) != count or args.pairs < 1 or args.timed_s <= 0:
-        raise SystemExit(f"{args.a} and {args.b} must train on as many processes "
-                         f"({count} and {processes(args.b)}), with --pairs ≥ 1 and --timed-s > 0")
+    if args.pairs < 1 or args.timed_s <= 0:
+        raise SystemExit(f"--pairs {args.pairs} --timed-s {args.timed_s}: give at least 1 pair "
+                         "and a positive time")
+    count, other = processes(args.a), processes(args.b)
+    if other != count:
+        raise SystemExit(f"{args.a} trains on {count} processes, {args.b} on {other}: compile "
+                         "both for the same --gpus")
     ratios = []
     for pair in range(args.pairs):
         order = (args.a, args.b) if pair % 2 == 0 else (args.b, args.a)

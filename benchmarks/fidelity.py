@@ -56,8 +56,8 @@ from pipec.critical import mean_breakdown
 
 # Each launch times about this long at least (from the predicted step). 5 s, not 1 s since the
 # twentieth session: the same plan launched 6 times each way (mlp, gpt and imbalanced on 2
-# processes, gpt on 4) spread a median 0.106 → 0.076 (sd of log step), consecutive launches'
-# ratio 0.134 → 0.091, for launches 55 % longer (5.5 → 8.9 s for the GPT's).
+# processes, gpt on 4): the sd of log step a median 0.106 → 0.076, of successive launches'
+# ratio 0.133 → 0.091, for launches a median 55 % longer (docs/fidelity.md).
 TIMED_S = 5.0
 UNTIMED_STEPS = 4  # train.py --metrics on a CPU: 3 measure memory, the 4th warms up again
 

@@ -29,3 +29,6 @@ def test_a_plan_counts_its_processes_and_a_directory_without_one_is_refused(
     assert processes(tmp_path) == 4
     with pytest.raises(SystemExit, match=r"no readable plan\.json"):
         processes(tmp_path / "missing")
+    (tmp_path / "plan.json").write_text(json.dumps({"pp": 2}))  # not pipec's: no dp
+    with pytest.raises(SystemExit, match=r"no readable plan\.json"):
+        processes(tmp_path)

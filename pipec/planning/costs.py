@@ -253,7 +253,8 @@ class Costs:
         gloo's thread to get a core, which every computing process competes for. Re-predicting
         the 4-process cases of four saved runs (benchmarks/repredict.py), the error between
         plans was 9.4, 3.1, 5.0 and 7.8 % (median) so, against 11.4, 4.7, 5.6 and 8.4 % × the
-        probe's pair's contention; over the twentieth session's whole run, 4.8 against 5.1 %."""
+        probe's pair's contention; over all nine cases of the twentieth session's whole run, 4.8
+        against 5.1 %."""
         post = (cores.contention if cores else 1.0) * max(d.p2p_post_s
                                                           for d in self.request.devices)
         links = posted_links([layout.position(k) for k in range(layout.stages)])
