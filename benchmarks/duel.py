@@ -17,14 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 from pathlib import Path
 
-from commands import TORCHRUN, run
+from fidelity import launch
 from paired import sign_p
 
-UNTIMED_STEPS = 4  # train.py --metrics on a CPU: 3 measure memory, the 4th warms up again
 MIN_STEPS = 10  # as fidelity.py's --steps: a slow plan still times several steps
 
 
@@ -36,17 +34,6 @@ def processes(out: Path) -> int:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise SystemExit(f"{out}: no readable plan.json ({exc!r}); give a `pipec compile` "
                          "output directory") from None
-
-
-def launch(out: Path, count: int, timed_s: float) -> float:
-    """One launch's mean timed step (train.py --metrics), enough steps for ``timed_s``."""
-    plan = json.loads((out / "plan.json").read_text())
-    steps = max(MIN_STEPS,
-                UNTIMED_STEPS + math.ceil(timed_s / float(plan["predicted"]["iteration_s"])))
-    (out / "metrics.json").unlink(missing_ok=True)
-    run([str(TORCHRUN), "--standalone", "--nproc_per_node", str(count), "train.py", "--steps",
-         str(steps), "--metrics", "metrics.json"], cwd=out, attempts=2)
-    return float(json.loads((out / "metrics.json").read_text())["step_s"])
 
 
 def verdict(ratios: list[float]) -> str:
@@ -76,11 +63,15 @@ def main() -> None:
                          "both for the same --gpus")
     ratios = []
     for pair in range(args.pairs):
-        order = (args.a, args.b) if pair % 2 == 0 else (args.b, args.a)
-        steps = {out: launch(out, count, args.timed_s) for out in order}
-        ratios.append(steps[args.a] / steps[args.b])
-        print(f"pair {pair + 1}: A {steps[args.a] * 1e3:.2f} ms, B {steps[args.b] * 1e3:.2f} "
-              f"ms, A ÷ B {ratios[-1]:.3f}", flush=True)
+        a_first = pair % 2 == 0
+        order = (args.a, args.b) if a_first else (args.b, args.a)
+        # A list, not a dict by directory: a plan dueled against itself measures the noise.
+        first, second = (float(launch(out, count, MIN_STEPS, args.timed_s)["step_s"])
+                         for out in order)
+        a_s, b_s = (first, second) if a_first else (second, first)
+        ratios.append(a_s / b_s)
+        print(f"pair {pair + 1}: A {a_s * 1e3:.2f} ms, B {b_s * 1e3:.2f} ms, "
+              f"A ÷ B {ratios[-1]:.3f}", flush=True)
     print(verdict(ratios))
 
 

@@ -193,23 +193,27 @@ def _point(c: dict[str, Any]) -> tuple[Any, ...]:
 
 
 def train(entry: Entry, processes: int, steps: int) -> float:
-    """The mean time of the timed steps (train.py --metrics), at least ``steps`` run; a launch
-    that fails is run once more (commands.run), never read from an earlier launch's file."""
-    (entry.out / "metrics.json").unlink(missing_ok=True)
-    run([str(TORCHRUN), "--standalone", "--nproc_per_node", str(processes), "train.py",
-         "--steps", str(steps_for(entry, steps)), "--metrics", "metrics.json"], cwd=entry.out,
-        attempts=2)
-    metrics = json.loads((entry.out / "metrics.json").read_text())
+    """The mean time of the timed steps (train.py --metrics), at least ``steps`` run."""
+    metrics = launch(entry.out, processes, steps)
     path = mean_breakdown(metrics.get("timelines", []), len(entry.plan["stages"]))
     if path is not None:
         entry.paths.append({**path.parts(), "hops": path.hops})
     return float(metrics["step_s"])
 
 
-def steps_for(entry: Entry, steps: int) -> int:
-    """``steps``, or more where the timed ones would span under TIMED_S: the MLP sample's
-    6 ms steps, 6 of them timed, measured 5.3 to 7.5 ms from one launch to the next."""
-    return max(steps, UNTIMED_STEPS + math.ceil(TIMED_S / entry.predicted_s))
+def launch(out: Path, processes: int, steps: int, timed_s: float = TIMED_S) -> dict[str, Any]:
+    """One launch of a compiled plan's train.py --metrics, its metrics.json: ``steps``, or more
+    where the timed ones would span under ``timed_s`` by the plan's predicted step (the MLP
+    sample's 6 ms steps, 6 of them timed, measured 5.3 to 7.5 ms from one launch to the
+    next). A launch that fails is run once more (commands.run), never read from an earlier
+    launch's file."""
+    predicted_s = float(json.loads((out / "plan.json").read_text())["predicted"]["iteration_s"])
+    steps = max(steps, UNTIMED_STEPS + math.ceil(timed_s / predicted_s))
+    (out / "metrics.json").unlink(missing_ok=True)
+    run([str(TORCHRUN), "--standalone", "--nproc_per_node", str(processes), "train.py",
+         "--steps", str(steps), "--metrics", "metrics.json"], cwd=out, attempts=2)
+    metrics: dict[str, Any] = json.loads((out / "metrics.json").read_text())
+    return metrics
 
 
 def measure_rounds(entries: list[Entry], processes: int, steps: int, rounds: int) -> None:
