@@ -15,10 +15,17 @@ fidelity.py reports) meets the target, "missed" where it does not and p ≤ SIGN
 "within noise" otherwise. A case's regret takes the strongest evidence over its plans, with no
 correction for testing several: over a run's dozens of comparisons a few verdicts at 5 % are
 wrong by chance, and the figures, not the labels, are the evidence.
+
+A duel may come in stages: fidelity.py's `--extend` pairs follow `--duels` only where the first
+stage left the verdict within noise. Testing the pairs of both stages as one fixed sample would
+give the plan two chances to look significant; staged_sign_p counts both looks instead (the
+stagewise ordering of a group-sequential test), so a verdict "missed" still errs at most 5 % of
+the time when the plan is truly at the threshold.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from dataclasses import dataclass
@@ -52,16 +59,47 @@ def sign_p(paired: list[float], threshold: float) -> float:
     return sum(math.comb(n, k) for k in range(below, n + 1)) / 2 ** n
 
 
-def judged(paired: list[float], threshold: float, rounds: int) -> Verdict:
+def staged_sign_p(tested: list[float], threshold: float, stages: list[int]) -> float:
+    """The one-sided sign test over pairs taken in ``stages``, each stage run only where the
+    looks before did not reject: the chance, were each pair a fair coin, of rejecting at an
+    earlier look or of reaching the last with at least as many below as measured (stagewise
+    ordering: Jennison & Turnbull, Group Sequential Methods with Applications to Clinical
+    Trials, 2000, §8.4). One stage is sign_p."""
+    running = [1.0]  # chance of each count below so far, on the paths not yet rejected
+    spent = 0.0
+    for look, seen in enumerate(itertools.accumulate(stages)):
+        running = _plus_fair_coins(running, stages[look])
+        p = spent + sum(running[sum(r < threshold for r in tested[:seen]):])
+        if look == len(stages) - 1 or p <= SIGNIFICANT:
+            return p
+        critical = next(k for k in range(len(running) + 1)
+                        if spent + sum(running[k:]) <= SIGNIFICANT)
+        spent += sum(running[critical:])
+        running = running[:critical]
+    return 1.0  # no stages: nothing tested
+
+
+def _plus_fair_coins(counts: list[float], n: int) -> list[float]:
+    """The distribution of a count after ``n`` more fair coins (a convolution)."""
+    coins = [math.comb(n, k) / 2 ** n for k in range(n + 1)]
+    return [sum(counts[i] * coins[k - i] for i in range(len(counts)) if 0 <= k - i <= n)
+            for k in range(len(counts) + n)]
+
+
+def judged(paired: list[float], threshold: float, rounds: int,
+           stages: list[int] | None = None) -> Verdict:
     """Whether a plan's median pair below ``threshold`` (faster than the target allows) is
     more than noise, tested on the pairs after the first ``rounds`` (those that chose to duel
-    it), or on all of them where it was not dueled."""
+    it), in the duel's ``stages`` (one stage where not given), or on all of them where it was
+    not dueled."""
     ratio = statistics.median(paired)
     tested = paired[rounds:] or paired
     below = sum(r < threshold for r in tested)
     if ratio >= threshold:
         return Verdict("met", ratio, below, len(tested), 1.0)
-    p = sign_p(tested, threshold)
+    if not stages or sum(stages) != len(tested):
+        stages = [len(tested)]
+    p = staged_sign_p(tested, threshold, stages)
     return Verdict("missed" if p <= SIGNIFICANT else "within noise", ratio, below,
                    len(tested), p)
 
@@ -76,8 +114,8 @@ def regret_verdict(plans: list[dict[str, Any]], target_regret: float) -> Verdict
     """Regret ≤ the target: no plan measured faster than the pick by more than it. The plan
     with the strongest evidence against the target decides (the smallest p)."""
     rounds = _rounds(plans)
-    verdicts = [judged(p["paired"], regret_threshold(target_regret), rounds) for p in plans
-                if "pipec" not in p["roles"]]
+    verdicts = [judged(p["paired"], regret_threshold(target_regret), rounds,
+                       p.get("duel_stages")) for p in plans if "pipec" not in p["roles"]]
     return worst(verdicts)
 
 
@@ -85,8 +123,8 @@ def baseline_verdicts(plans: list[dict[str, Any]], baselines: tuple[str, ...]
                       ) -> dict[str, Verdict]:
     """The pick measured at least as fast as each baseline (the threshold is 1)."""
     rounds = _rounds(plans)
-    return {role: judged(p["paired"], 1.0, rounds) for p in plans if "pipec" not in p["roles"]
-            for role in p["roles"] if role in baselines}
+    return {role: judged(p["paired"], 1.0, rounds, p.get("duel_stages")) for p in plans
+            if "pipec" not in p["roles"] for role in p["roles"] if role in baselines}
 
 
 def _rounds(plans: list[dict[str, Any]]) -> int:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import itertools
+import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from paired import baseline_verdicts, judged, regret_verdict, sign_p, worst
+from paired import baseline_verdicts, judged, regret_verdict, sign_p, staged_sign_p, worst
 
 
 def test_sign_p_is_the_binomial_tail() -> None:
@@ -56,3 +59,56 @@ def test_baselines_are_judged_against_1_and_the_worst_decides() -> None:
     assert set(verdicts) == {"uniform", "torchgpipe"}
     assert worst(list(verdicts.values())).outcome == "missed"
     assert worst([]).outcome == "met"
+
+
+def test_one_stage_is_the_plain_sign_test() -> None:
+    pairs = [0.9, 0.95, 1.1, 0.97, 0.92, 1.01]
+    assert staged_sign_p(pairs, 1.0, [6]) == pytest.approx(sign_p(pairs, 1.0))
+
+
+def _staged(first: int, second: int) -> list[float]:
+    """6 pairs, then 10, with ``first`` and ``second`` of them below 1."""
+    return ([0.9] * first + [1.1] * (6 - first)) + ([0.9] * second + [1.1] * (10 - second))
+
+
+def _wrong_misses(first: int, second: int, test: Callable[[list[float], list[int]], float]
+                  ) -> float:
+    """The exact chance of a verdict "missed" for a plan truly at the threshold (every pair a
+    fair coin): ``first`` pairs, then ``second`` more only where the first look did not
+    reject, as fidelity.py runs a duel."""
+    wrong = 0.0
+    for below_1, below_2 in itertools.product(range(first + 1), range(second + 1)):
+        look = [0.9] * below_1 + [1.1] * (first - below_1)
+        if sign_p(look, 1.0) <= 0.05:  # stops at the first look
+            wrong += math.comb(first, below_1) / 2 ** first if below_2 == 0 else 0.0
+            continue
+        pairs = look + [0.9] * below_2 + [1.1] * (second - below_2)
+        if test(pairs, [first, second]) <= 0.05:
+            wrong += math.comb(first, below_1) * math.comb(second, below_2) / 2 ** (first + second)
+    return wrong
+
+
+def test_two_looks_still_err_at_most_5_percent_on_a_fair_coin() -> None:
+    def staged(pairs: list[float], stages: list[int]) -> float:
+        return staged_sign_p(pairs, 1.0, stages)
+    def as_one(pairs: list[float], stages: list[int]) -> float:
+        return sign_p(pairs, 1.0)
+    assert 0.04 < _wrong_misses(6, 10, staged) <= 0.05  # fidelity.py's defaults
+    assert _wrong_misses(8, 8, staged) <= 0.05
+    # Counting 8 then 8 pairs as one sample of 16 would err 6.0 % of the time.
+    assert _wrong_misses(8, 8, as_one) > 0.05
+
+
+def test_a_second_stage_needs_12_of_16_below() -> None:
+    assert staged_sign_p(_staged(5, 7), 1.0, [6, 10]) == pytest.approx(0.0481, abs=1e-4)
+    assert staged_sign_p(_staged(5, 6), 1.0, [6, 10]) > 0.05
+    verdict = judged([0.9, 0.9, *_staged(5, 7)], 1.0, rounds=2, stages=[6, 10])
+    assert (verdict.outcome, verdict.below, verdict.pairs) == ("missed", 12, 16)
+    # Counted as one sample of 16 it would have looked surer than it is.
+    assert sign_p(_staged(5, 7), 1.0) < verdict.p
+
+
+def test_stages_that_do_not_match_the_pairs_fall_back_to_one() -> None:
+    """A run before the twenty-first session's recorded no stages."""
+    pairs = [0.9, 0.9] + [0.9] * 6
+    assert judged(pairs, 1.0, 2, None).p == judged(pairs, 1.0, 2, [3]).p == pytest.approx(1 / 64)
