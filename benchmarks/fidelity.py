@@ -28,8 +28,8 @@ Targets (issue 13): step time within ±20 % (median over cases), regret ≤ 3 % 
 pipec's pick ≥ every baseline in every case. A regret or baseline target is met where the
 median pair meets it; where not, a sign test on the pairs (benchmarks/paired.py) says whether
 the miss is more than this machine's noise ("missed", p ≤ 5 %) or not ("within noise"). A
-duel left within noise gets `--extend` more pairs, a second stage the test counts as one
-(benchmarks/paired.py: 12 of 16 below is then needed, against 6 of 6 at the first look).
+duel left within noise gets `--extend` more pairs, which the test counts as a second look
+(benchmarks/paired.py: with 6 then 10, 6 of 6 below at the first look, 12 of 16 at the second).
 
     python benchmarks/fidelity.py [--rounds 3] [--steps 12] [--duels 6] [--extend 10]
                                   [--only NAME ...] [--json FILE]
@@ -249,6 +249,8 @@ def undecided(entries: list[Entry], rounds: int) -> list[Entry]:
 def duel(pick: Entry, rival: Entry, processes: int, steps: int, pairs: int) -> None:
     """``pairs`` more launches of each, back to back, who goes first alternating: one more
     stage of the rival's duel (benchmarks/paired.py tests the stages as such)."""
+    if pairs == 0:
+        return
     rival.duel_stages.append(pairs)
     for pair in range(pairs):
         first, second = (pick, rival) if pair % 2 == 0 else (rival, pick)
@@ -329,8 +331,8 @@ def main() -> None:
     parser.add_argument("--candidates", type=int, default=3)
     parser.add_argument("--duels", type=_not_negative, default=6,
                         help="more pairs of launches for each rival of the pick (the sign test "
-                             "counts only these: with 6, all 6 below gives p = 1.6 %%; with 4, "
-                             "never under 6.25 %%)")
+                             "counts only these and --extend's: with 6, all 6 below gives p = "
+                             "1.6 %%; with 4, never under 6.25 %%; 0: no duels, none extended)")
     parser.add_argument("--extend", type=_not_negative, default=10,
                         help="a second stage of pairs for each duel left within noise (0: "
                              "none); the sign test counts both looks (benchmarks/paired.py)")

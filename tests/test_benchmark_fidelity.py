@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from fidelity import Entry, _not_negative, rivals, undecided
+from fidelity import Entry, _not_negative, duel, rivals, undecided
 
 
 def _entry(roles: list[str], paired: list[float], stages: list[int] | None = None) -> Entry:
@@ -40,3 +40,10 @@ def test_a_negative_count_of_pairs_is_refused() -> None:
     assert _not_negative("0") == 0
     with pytest.raises(argparse.ArgumentTypeError, match="0 or more"):
         _not_negative("-1")
+
+
+def test_a_duel_of_no_pairs_is_no_stage() -> None:
+    """--duels 0: no plan counts as dueled, so none is extended either."""
+    pick, rival = _entry(["pipec"], [1.0, 1.0]), _entry(["uniform"], [0.9, 0.9])
+    duel(pick, rival, processes=2, steps=10, pairs=0)
+    assert rival.duel_stages == [] and undecided([pick, rival], rounds=2) == []

@@ -63,7 +63,7 @@ def test_baselines_are_judged_against_1_and_the_worst_decides() -> None:
 
 def test_one_stage_is_the_plain_sign_test() -> None:
     pairs = [0.9, 0.95, 1.1, 0.97, 0.92, 1.01]
-    assert staged_sign_p(pairs, 1.0, [6]) == pytest.approx(sign_p(pairs, 1.0))
+    assert staged_sign_p(pairs, 1.0, [6]) == (pytest.approx(sign_p(pairs, 1.0)), 6)
 
 
 def _staged(first: int, second: int) -> list[float]:
@@ -90,7 +90,7 @@ def _wrong_misses(first: int, second: int, test: Callable[[list[float], list[int
 
 def test_two_looks_still_err_at_most_5_percent_on_a_fair_coin() -> None:
     def staged(pairs: list[float], stages: list[int]) -> float:
-        return staged_sign_p(pairs, 1.0, stages)
+        return staged_sign_p(pairs, 1.0, stages)[0]
     def as_one(pairs: list[float], stages: list[int]) -> float:
         return sign_p(pairs, 1.0)
     assert 0.04 < _wrong_misses(6, 10, staged) <= 0.05  # fidelity.py's defaults
@@ -100,15 +100,26 @@ def test_two_looks_still_err_at_most_5_percent_on_a_fair_coin() -> None:
 
 
 def test_a_second_stage_needs_12_of_16_below() -> None:
-    assert staged_sign_p(_staged(5, 7), 1.0, [6, 10]) == pytest.approx(0.0481, abs=1e-4)
-    assert staged_sign_p(_staged(5, 6), 1.0, [6, 10]) > 0.05
+    assert staged_sign_p(_staged(5, 7), 1.0, [6, 10]) == (pytest.approx(0.0481, abs=1e-4), 16)
+    assert staged_sign_p(_staged(5, 6), 1.0, [6, 10])[0] > 0.05
     verdict = judged([0.9, 0.9, *_staged(5, 7)], 1.0, rounds=2, stages=[6, 10])
     assert (verdict.outcome, verdict.below, verdict.pairs) == ("missed", 12, 16)
     # Counted as one sample of 16 it would have looked surer than it is.
     assert sign_p(_staged(5, 7), 1.0) < verdict.p
 
 
-def test_stages_that_do_not_match_the_pairs_fall_back_to_one() -> None:
-    """A run before the twenty-first session's recorded no stages."""
+def test_a_look_that_rejects_decides() -> None:
+    """A baseline 6 of 6 below 1 is missed at the first look; pairs run afterwards for its regret
+    verdict (within noise at 0.971) do not turn it into "met"."""
+    first = [0.99, 0.98, 0.985, 0.99, 0.98, 0.99]
+    verdict = judged([0.99, 0.99, *first, *[1.02] * 10], 1.0, rounds=2, stages=[6, 10])
+    assert (verdict.outcome, verdict.below, verdict.pairs) == ("missed", 6, 6)
+    assert verdict.p == pytest.approx(1 / 64)
+
+
+def test_stages_must_match_the_pairs() -> None:
+    """A run before the twenty-first session's recorded no stages: one stage."""
     pairs = [0.9, 0.9] + [0.9] * 6
-    assert judged(pairs, 1.0, 2, None).p == judged(pairs, 1.0, 2, [3]).p == pytest.approx(1 / 64)
+    assert judged(pairs, 1.0, 2, None).p == judged(pairs, 1.0, 2, []).p == pytest.approx(1 / 64)
+    with pytest.raises(ValueError, match=r"\[3\] do not add up to the 6 pairs"):
+        judged(pairs, 1.0, 2, [3])
