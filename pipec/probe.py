@@ -28,7 +28,7 @@ all-reduces' in pipec.allreduces.
   statistics after each, forward and backward, against the same blocks without, at two image
   sizes: what a synchronized BatchNorm's waits cost in a pass (pipec.allreduces);
 - **relayed compute**: a fixed pass relayed round the processes, n = 1 … P − 1 of them
-  computing at once, against the pass alone in the parent (pipec.relay): how fast a pipeline's
+  computing at once, against the pass alone, in rounds (pipec.relay): how fast a pipeline's
   devices compute in its bubbles;
 - **late receives**: micro-batches sent down a chain of every process, each computing a pass:
   how long an input sent before its receiver asked for it takes to arrive (pipec.receives).
@@ -72,7 +72,7 @@ from pipec.allreduces import (
 )
 from pipec.heap import keep_freed_memory
 from pipec.receives import chain_records, late_receive_s
-from pipec.relay import alone_s, relayed_s, slowdowns
+from pipec.relay import relayed_s, slowdowns
 from pipec.timers import mean_s, span_s
 
 log = logging.getLogger(__name__)
@@ -119,7 +119,6 @@ def probe_runtime(processes: int, threads: int) -> RuntimeFigures:
         return RuntimeFigures(1, 0.0, 0.0, 0.0, 0.0, 0.0, {}, 0.0,
                               ((0.0, 0.0),) * len(DATA_PARALLEL_SHAPES),
                               selective_node_s(), ())
-    before = _alone_s(threads)
     context = mp.get_context("fork")
     results = context.Queue()
     port = _free_port()
@@ -142,19 +141,8 @@ def probe_runtime(processes: int, threads: int) -> RuntimeFigures:
         raise RuntimeError(failed[0])
     by_rank = [f for _, f in sorted(received, key=lambda rf: rf[0])]
     figures = _combine(processes, by_rank)
-    # The pass alone before the workers and after: this machine's speed drifts by the second.
-    alone = (before + _alone_s(threads)) / 2
-    return replace(figures, relay_slowdowns=slowdowns([f["relay"] for f in by_rank], alone),
+    return replace(figures, relay_slowdowns=slowdowns([f["relay"] for f in by_rank]),
                    late_receive_s=late_receive_s([f["receives"] for f in by_rank]))
-
-
-def _alone_s(threads: int) -> float:
-    kept = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        return alone_s()
-    finally:
-        torch.set_num_threads(kept)
 
 
 def _free_port() -> int:

@@ -9,7 +9,12 @@ forward and backward) ran 1.16–1.27 × its time alone with one process computi
 processes are not free (their wake-ups, gloo's threads, the caches they share). So the probe
 measures it: the P processes pass n tokens round a ring, each computing a fixed pass when it
 holds one, for n = 1 … P − 1, and the pass's median time is set against the same pass timed
-alone, in the parent before the workers start and after they end (pipec.probe).
+alone in the first process while the others wait in a gloo barrier (holding no core).
+
+It does so in ROUNDS rounds, the pass alone then relayed at every n in each, and keeps the
+median over rounds of each round's ratio: this machine's speed drifts by ±15 % from one second
+to the next, and with one timing of each, the pass alone before the workers and after them, four
+probes in a row gave s(2) = 1.04 to 1.31 and s(3) = 1.31 to 2.02, enough to change a pick.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ from pipec.timers import median_s, span_s
 
 WORK_SIZE = 192  # the pass: WORK_PRODUCTS products of two WORK_SIZE² fp32 matrices, ~5 ms here
 WORK_PRODUCTS = 30
-PASSES = 20  # per process and token count
+PASSES = 10  # per process, token count and round
+ROUNDS = 6
 
 
 def work_pass(operands: tuple[torch.Tensor, torch.Tensor]) -> None:
@@ -37,19 +43,19 @@ def operands() -> tuple[torch.Tensor, torch.Tensor]:
             torch.randn(WORK_SIZE, WORK_SIZE, generator=generator))
 
 
-def alone_s() -> float:
-    """The pass's median seconds in this process, with nothing relayed."""
-    pair = operands()
-    return median_s(lambda: work_pass(pair), PASSES)
-
-
-def relayed_s(rank: int, world: int) -> list[float]:
-    """This process's median pass seconds with n = 1 … world − 1 of the ``world`` processes
-    computing at once (every process of the group calls it)."""
+def relayed_s(rank: int, world: int) -> list[list[float]]:
+    """Per round, the pass's median seconds alone (in rank 0, the others waiting; 0 elsewhere),
+    then this process's with n = 1 … world − 1 of the ``world`` processes computing at once
+    (every process of the group calls it)."""
     pair = operands()
     work_pass(pair)  # warm
-    return [statistics.median(_relay(rank, world, computing, pair))
-            for computing in range(1, world)]
+    rounds = []
+    for _ in range(ROUNDS):
+        dist.barrier()
+        alone = median_s(lambda: work_pass(pair), PASSES) if rank == 0 else 0.0
+        rounds.append([alone] + [statistics.median(_relay(rank, world, computing, pair))
+                                 for computing in range(1, world)])
+    return rounds
 
 
 def _relay(rank: int, world: int, computing: int,
@@ -72,9 +78,13 @@ def _relay(rank: int, world: int, computing: int,
     return times
 
 
-def slowdowns(relayed: list[list[float]], alone: float) -> tuple[float, ...]:
-    """Per n = 1 … P − 1 processes computing, the median process's pass ÷ the pass alone."""
-    if alone <= 0 or not relayed:
+def slowdowns(relayed: list[list[list[float]]]) -> tuple[float, ...]:
+    """Per n = 1 … P − 1 processes computing, over rounds the median of the median process's
+    pass ÷ the pass alone in that round (``relayed``: relayed_s of each process, rank 0
+    first)."""
+    if not relayed or not relayed[0]:
         return ()
-    return tuple(statistics.median(process[n] for process in relayed) / alone
-                 for n in range(len(relayed[0])))
+    ratios = [[statistics.median(process[r][n] for process in relayed) / relayed[0][r][0]
+               for r in range(len(relayed[0])) if relayed[0][r][0] > 0]
+              for n in range(1, len(relayed[0][0]))]
+    return tuple(statistics.median(per_round) for per_round in ratios if per_round)

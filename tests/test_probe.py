@@ -139,9 +139,16 @@ def test_a_late_receive_counts_only_inputs_sent_before_the_post() -> None:
     assert late_receive_s([sender]) == 0.0
 
 
-def test_relay_slowdowns_take_the_median_process_against_alone() -> None:
-    assert slowdowns([[2.0, 3.0], [4.0, 3.0], [2.0, 5.0]], 2.0) == (1.0, 1.5)
-    assert slowdowns([], 2.0) == () and slowdowns([[1.0]], 0.0) == ()
+def test_relay_slowdowns_take_each_rounds_median_process_against_alone_then_the_median() -> None:
+    # Three processes, three rounds: [alone (rank 0's only), n = 1, n = 2] per round.
+    relayed = [[[2.0, 2.0, 3.0], [1.0, 1.0, 1.0], [4.0, 9.0, 9.0]],
+               [[0.0, 4.0, 3.0], [0.0, 2.0, 3.0], [0.0, 9.0, 9.0]],
+               [[0.0, 2.0, 5.0], [0.0, 1.0, 1.0], [0.0, 9.0, 9.0]]]
+    # Round by round: n = 1 gives 2/2, 1/1, 9/4; n = 2 gives 3/2, 1/1, 9/4.
+    assert slowdowns(relayed) == (1.0, 1.5)
+    assert slowdowns([]) == () and slowdowns([[]]) == ()
+    # A round whose alone timing is missing is left out, not divided by.
+    assert slowdowns([[[0.0, 1.0], [2.0, 3.0]]]) == (1.5,)
 
 
 def _run_group_probe(rank: int, port: int, results: Any) -> None:
