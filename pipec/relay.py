@@ -14,7 +14,8 @@ alone in the first process while the others wait in a gloo barrier (holding no c
 It does so in ROUNDS rounds, the pass alone then relayed at every n in each, and keeps the
 median over rounds of each round's ratio: this machine's speed drifts by ±15 % from one second
 to the next, and with one timing of each, the pass alone before the workers and after them, four
-probes in a row gave s(2) = 1.04 to 1.31 and s(3) = 1.31 to 2.02, enough to change a pick.
+probes in a row gave s(2) = 1.04 to 1.31 and s(3) = 1.31 to 2.02, enough to change a pick; in
+rounds, eight gave 1.06 to 1.25 and 1.28 to 1.66 (docs/cost-model.md).
 """
 
 from __future__ import annotations
