@@ -28,7 +28,8 @@ from pipec.relay import operands, work_pass
 
 MICRO_BATCHES = 8
 # The first warms up. Six timed rounds, not two: twelve probes gave 0.1 to 3.4 ms with two
-# (standard deviation 1.3 ms), twelve 1.3 to 3.3 ms with six (0.6 ms), for about 0.4 s more.
+# (standard deviation 1.3 ms), twelve 1.3 to 3.3 ms with six (0.6 ms), for about 0.4 s more; a
+# later probe gave 0.43 ms: the waits are bimodal (docs/cost-model.md).
 ROUNDS = 7
 
 # Per round and micro-batch: (receive posted, input arrived, pass ended) in seconds.
