@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipec.timers import median_in_turns, median_s
+from pipec.torchcompat import pipeline_backward
 
 MICRO_BATCHES = 16
 SCHEDULE_MICRO_BATCHES = 8
@@ -91,8 +92,6 @@ def _pipeline_step(schedule: str, rank: int, group: Any) -> Callable[[], None]:
 def split_backward_node_s() -> float:
     """Seconds per autograd operation that splitting a backward into the input's and the
     weights' gradients adds (torch's own functions, as the zero-bubble schedules call them)."""
-    from torch.distributed.pipelining import _backward
-
     from pipec.measure import autograd_nodes
 
     torch.manual_seed(0)
@@ -102,12 +101,7 @@ def split_backward_node_s() -> float:
         def run() -> None:
             x = torch.ones(8, 16, requires_grad=True)
             out = model(x)
-            if split:
-                _, groups = _backward.stage_backward_input([out], [torch.ones_like(out)], [x],
-                                                           model.parameters())
-                _backward.stage_backward_weight(model.parameters(), groups)
-            else:
-                _backward.stage_backward([out], [torch.ones_like(out)], [x])
+            pipeline_backward([out], [torch.ones_like(out)], [x], model.parameters(), split)
         return run
 
     extra = median_s(backward(True), 20) - median_s(backward(False), 20)

@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 from torch import fx
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from pipec.costgraph import COMPUTE_OPS
 from pipec.tensors import flat_tensors
+from pipec.torchcompat import FakeTensorMode
 
 log = logging.getLogger(__name__)
 

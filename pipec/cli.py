@@ -27,6 +27,7 @@ from pipec.measured import MEASURE_CHOICES
 from pipec.normalize import NORM_CHOICES
 from pipec.planner import FSDP_MODES, RECOMPUTE, STRATEGIES, Plan
 from pipec.schedule import SCHEDULES
+from pipec.torchcompat import check_torch
 from pipec.trace import FRONTENDS
 
 
@@ -37,6 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="pipec: %(message)s")
     logging.getLogger("pipec.measured").setLevel(logging.INFO)  # a measurement takes seconds
     try:
+        check_torch()
         return int(args.run(args))
     except PipecError as exc:
         print(f"pipec: error: {exc}", file=sys.stderr)

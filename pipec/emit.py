@@ -36,6 +36,7 @@ from pipec.report import (
 )
 from pipec.schedule import SCHEDULE_CLASSES, ZERO_BUBBLE
 from pipec.split import Boundary, Staged
+from pipec.torchcompat import SUPPORTED_PIP, SUPPORTED_TORCH
 from pipec.trace import Traced
 from pipec.units import duration, gib, module_list
 
@@ -75,6 +76,7 @@ def render(spec: ModelSpec, traced: Traced, plan: Plan, norms: NormPlan,
         "pipeline.py": _render("pipeline.py.j2", context),
         "metrics.py": _render("metrics.py.j2", context),
         "data.py": _render("data.py.j2", context),
+        "torch_compat.py": _render("torch_compat.py.j2", context),
         "report.md": _render("report.md.j2", {**context, **_report_context(plan, norms)}),
         "plan.json": (json.dumps(plan_json, indent=2, sort_keys=True) + "\n").encode(),
         "timeline.svg": timeline_svg(plan.simulation, plan.pp, _timeline_title(plan)).encode(),
@@ -113,7 +115,7 @@ def _context(spec: ModelSpec, traced: Traced, plan: Plan, norms: NormPlan,
                                 for name, seconds in plan.step_terms.items()),
         "time_source": _time_source(request) + _runtime_overhead(request, plan.schedule),
         "run_commands": run_commands(plan), "norm_choice": norms.choice,
-        "plan_id": identity,
+        "plan_id": identity, "supported_torch": SUPPORTED_TORCH, "supported_pip": SUPPORTED_PIP,
     }
 
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from pipec.costgraph import KernelCall
+from pipec.torchcompat import TorchDispatchMode
 
 aten = torch.ops.aten
 _KINDS = {aten.mm.default: "matmul", aten.addmm.default: "matmul", aten.bmm.default: "matmul",

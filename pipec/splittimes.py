@@ -21,11 +21,11 @@ from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.distributed.pipelining import _backward
 
 from pipec.costmodel import NodeTiming
 from pipec.tensors import flat_tensors
 from pipec.timers import device_now
+from pipec.torchcompat import pipeline_backward
 
 SPLIT_REPEATS = 5  # backward pairs per size, after one to warm up
 
@@ -61,9 +61,7 @@ def _backward_s(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...], device: to
     gradients = [torch.ones_like(t) for t in outputs]
     started = device_now(device)
     if split and cut.value is not None:
-        _, groups = _backward.stage_backward_input(outputs, gradients, [cut.value],
-                                                   gm.parameters())
-        _backward.stage_backward_weight(gm.parameters(), groups)
+        pipeline_backward(outputs, gradients, [cut.value], gm.parameters(), split=True)
     elif outputs:
         torch.autograd.backward(outputs, gradients)
     ended = device_now(device)

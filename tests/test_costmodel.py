@@ -10,7 +10,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.distributed.pipelining import _backward
 
 from conftest import SAMPLES
 from pipec.annotate import annotate
@@ -21,6 +20,7 @@ from pipec.loader import load_model_file
 from pipec.spans import make_problem
 from pipec.spans import stage_memory as dp_stage_memory
 from pipec.stagememory import StageRole, ends_bytes, stage_memory, working_bytes
+from pipec.torchcompat import backward_input
 from pipec.trace import trace_model
 
 
@@ -178,8 +178,7 @@ def test_a_split_backward_keeps_the_weight_operations_output_gradients() -> None
     model = spec.build_model()
     inputs = spec.sample_batch(2)[0].requires_grad_(True)
     output = model(inputs)
-    _, groups = _backward.stage_backward_input([output], [torch.ones_like(output)], [inputs],
-                                               model.parameters())
+    groups = backward_input([output], [torch.ones_like(output)], [inputs], model.parameters())
     grads = [t for g in groups for t in _tensors(g["grads"])]
     assert arrays.weight_output_bytes.sum() == sum(t.numel() * t.element_size() for t in grads)
     # A residual add hands one gradient tensor to both branches: counted per operation, the

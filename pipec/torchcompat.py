@@ -1,0 +1,71 @@
+"""The torch releases pipec supports, and every torch internal pipec itself uses, by release.
+
+The emitted script has its own counterpart, ``torch_compat.py`` (templates/torch_compat.py.j2),
+for the pipeline runtime's internals: the two are the only places that name a torch private.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from pipec.errors import PipecError
+
+__all__ = ["SUPPORTED_PIP", "SUPPORTED_TORCH", "FakeTensorMode", "TorchDispatchMode",
+           "UnsupportedTorchError", "backward_input", "check_torch", "pipeline_backward", "release"]
+
+# The oldest and newest torch releases (major, minor) the test suite runs on (.ci/run).
+SUPPORTED_TORCH = ((2, 11), (2, 14))
+SUPPORTED_PIP = "torch>=2.11,<2.15"
+
+
+class UnsupportedTorchError(PipecError):
+    """The installed torch is outside the tested range."""
+
+
+def release(version: str | None = None) -> tuple[int, int]:
+    """(major, minor) of a torch version such as '2.11.0+cu130' (the installed one by default)."""
+    major, minor = (version or torch.__version__).split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def check_torch(version: str | None = None) -> None:
+    """Raise UnsupportedTorchError for a torch release pipec was not tested with."""
+    version = version or torch.__version__
+    if not SUPPORTED_TORCH[0] <= release(version) <= SUPPORTED_TORCH[1]:
+        oldest, newest = (".".join(map(str, r)) for r in SUPPORTED_TORCH)
+        raise UnsupportedTorchError(
+            f"torch {version} is not supported: pipec and the scripts it writes run on torch "
+            f"{oldest} to {newest}; install one (pip install '{SUPPORTED_PIP}')")
+
+
+def pipeline_backward(outputs: list[torch.Tensor], gradients: list[torch.Tensor],
+                      inputs: list[torch.Tensor], weights: Iterable[torch.nn.Parameter],
+                      split: bool) -> None:
+    """A stage's backward as torch's pipeline runtime runs it: whole, or split into the
+    inputs' gradients and then the weights' (the zero-bubble schedules). Imported here, not
+    above: loading torch.distributed.pipelining takes seconds, and only measurements need it."""
+    from torch.distributed.pipelining import _backward
+
+    if not split:
+        _backward.stage_backward(outputs, gradients, inputs)
+        return
+    weights = list(weights)
+    groups = backward_input(outputs, gradients, inputs, weights)
+    _backward.stage_backward_weight(iter(weights), groups)
+
+
+def backward_input(outputs: list[torch.Tensor], gradients: list[torch.Tensor],
+                   inputs: list[torch.Tensor], weights: Iterable[torch.nn.Parameter]
+                   ) -> list[dict[str, Any]]:
+    """The inputs' gradients of a split backward; returns torch's weight groups, which hold
+    what the weights' pass still needs (``groups[i]["grads"]``: the weight operations' output
+    gradients)."""
+    from torch.distributed.pipelining import _backward
+
+    _, groups = _backward.stage_backward_input(outputs, gradients, inputs, iter(weights))
+    return list(groups)
