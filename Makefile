@@ -8,8 +8,12 @@ TORCH ?= torch==2.13.0
 DEVICES = $(shell $(BIN)/python -c "import torch; print(torch.cuda.device_count() or 4)")
 HARDWARE = $(shell $(BIN)/python -c "import torch; print('h100-80g' if torch.cuda.is_available() else 'cpu')")
 export OMP_NUM_THREADS ?= 1
+# The other torch releases pipec supports (pipec.torchcompat.SUPPORTED_TORCH), for test-torch:
+# CUDA builds, which run on a CPU (about 4.5 GB a venv; pip caches their wheels).
+OTHER_TORCH ?= 2.11.0 2.14.1
+OTHER_VENVS = $(foreach version,$(OTHER_TORCH),$(CURDIR)/.venv-torch-$(version))
 
-.PHONY: venv demo test lint unit clean
+.PHONY: venv demo test lint unit test-torch clean
 
 venv: $(VENV)/.installed
 
@@ -36,6 +40,15 @@ unit: venv
 	$(BIN)/python -m pytest -q
 
 test: lint unit
+
+# The test suite on each of OTHER_TORCH, then the same plans compiled and trained on each
+# against this venv's torch (tests/test_torch_versions.py).
+test-torch: venv
+	set -e; for version in $(OTHER_TORCH); do \
+		$(MAKE) --no-print-directory venv VENV=.venv-torch-$$version TORCH=torch==$$version; \
+		.venv-torch-$$version/bin/python -m pytest -q -p no:cacheprovider; \
+	done
+	PIPEC_TORCH_VENVS="$(OTHER_VENVS)" $(BIN)/python -m pytest -q tests/test_torch_versions.py
 
 clean:
 	rm -rf out build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipec.timers import median_in_turns, median_s
-from pipec.torchcompat import pipeline_backward
+from pipec.torchcompat import pipeline_backward, runtime_compat
 
 MICRO_BATCHES = 16
 SCHEDULE_MICRO_BATCHES = 8
@@ -30,6 +30,7 @@ def action_overhead_s(rank: int) -> float:
     torch.manual_seed(0)
     layer = nn.Linear(4, 4)
     stage = PipelineStage(layer, rank, 2, torch.device("cpu"), group=group)
+    runtime_compat().prepare_stage(stage)
     schedule = ScheduleGPipe(stage, MICRO_BATCHES, loss_fn=lambda out, target: out.sum())
     busy = [0.0]
     for name in ("forward_one_chunk", "backward_one_chunk"):
@@ -76,6 +77,8 @@ def _pipeline_step(schedule: str, rank: int, group: Any) -> Callable[[], None]:
     torch.manual_seed(0)
     stages = [pipelining.PipelineStage(nn.Linear(4, 4), k, 2 * virtual, torch.device("cpu"),
                                        group=group) for k in indices]
+    for stage in stages:
+        runtime_compat().prepare_stage(stage)
     runner = getattr(pipelining, SCHEDULE_CLASSES[schedule])(
         stages if virtual > 1 else stages[0], SCHEDULE_MICRO_BATCHES,
         loss_fn=lambda out, target: out.sum())

@@ -78,13 +78,17 @@ def split(traced: Traced, graph: CostGraph, plan: Plan, user_module: str) -> Sta
         # The first stage takes every model input, used or not: the data arrives whole.
         inputs = placeholders if stage.index == 0 else list(live[stage.start])
         input_specs = specs.of(inputs, stage.start, sent=stage.index > 0)
-        # A received input that requires grad and that the stage overwrites is cloned first:
-        # PipelineStage hands it over as a leaf, which autograd refuses to overwrite
-        # (nn.ReLU(inplace=True) right after the cut). That costs one copy of those inputs
-        # only; forbidding such cuts would take away a CNN's natural boundaries (a block often
-        # ends in such a ReLU). The first stage's inputs are the data, with no gradient.
-        copied = overwritten_inputs(gm, nodes, inputs) & {
-            name for name, spec in zip(inputs, input_specs, strict=True) if spec.requires_grad}
+        # A received floating-point input that the stage overwrites is cloned first:
+        # PipelineStage hands it over as a leaf that requires grad (torch 2.11 makes every
+        # received float one, whether or not the model's value did), which autograd refuses to
+        # overwrite (nn.ReLU(inplace=True) right after the cut). That costs one copy of those
+        # inputs only; forbidding such cuts would take away a CNN's natural boundaries (a block
+        # often ends in such a ReLU). The first stage's inputs are the data, with no gradient.
+        copied = set()
+        if stage.index > 0:
+            copied = overwritten_inputs(gm, nodes, inputs) & {
+                name for name, spec in zip(inputs, input_specs, strict=True)
+                if spec.requires_grad or _is_float(spec.dtype)}
         stage_graph, paths = _stage_graph(gm, nodes, inputs, outputs, copied,
                                           rederivable_sizes(compute))
         source, lines = _stage_source(stage_graph.python_code(root_module="self"), user_module)
@@ -94,6 +98,10 @@ def split(traced: Traced, graph: CostGraph, plan: Plan, user_module: str) -> Sta
             input_specs=input_specs,
             output_specs=specs.of(outputs or _model_outputs(gm), stage.end, sent=not last)))
     return Staged(tuple(codes), tuple(sorted(imports)), tied_parameters(gm, codes))
+
+
+def _is_float(dtype: str) -> bool:
+    return bool(getattr(torch, dtype).is_floating_point)
 
 
 def tied_parameters(root: torch.nn.Module, codes: Sequence[StageCode]

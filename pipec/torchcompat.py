@@ -2,21 +2,29 @@
 
 The emitted script has its own counterpart, ``torch_compat.py`` (templates/torch_compat.py.j2),
 for the pipeline runtime's internals: the two are the only places that name a torch private.
+pipec's probes load that same module (``runtime_compat``), so that they run torch's pipeline
+runtime as the training does.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
+from importlib import resources
+from types import ModuleType
 from typing import Any
 
+import jinja2
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from pipec import __version__
 from pipec.errors import PipecError
 
 __all__ = ["SUPPORTED_PIP", "SUPPORTED_TORCH", "FakeTensorMode", "TorchDispatchMode",
-           "UnsupportedTorchError", "backward_input", "check_torch", "pipeline_backward", "release"]
+           "UnsupportedTorchError", "backward_input", "check_torch", "pipeline_backward", "release",
+           "runtime_compat"]
 
 # The oldest and newest torch releases (major, minor) the test suite runs on (.ci/run).
 SUPPORTED_TORCH = ((2, 11), (2, 14))
@@ -69,3 +77,14 @@ def backward_input(outputs: list[torch.Tensor], gradients: list[torch.Tensor],
 
     _, groups = _backward.stage_backward_input(outputs, gradients, inputs, iter(weights))
     return list(groups)
+
+
+@functools.cache
+def runtime_compat() -> ModuleType:
+    """The emitted script's torch_compat module, rendered and loaded in this process."""
+    template = resources.files("pipec.templates").joinpath("torch_compat.py.j2").read_text()
+    source = jinja2.Template(template, keep_trailing_newline=True).render(
+        version=__version__, supported_torch=SUPPORTED_TORCH, supported_pip=SUPPORTED_PIP)
+    module = ModuleType("torch_compat")
+    exec(compile(source, "torch_compat.py", "exec"), module.__dict__)
+    return module

@@ -52,6 +52,14 @@ def compile_to(model: Path, out: Path, **options: Any) -> Plan:
     return plan
 
 
+def compile_apart(model: Path, out: Path, **options: Any) -> Plan:
+    """compile_to in a forked child. Tracing some models runs autograd's engine on the meta
+    device (the export front end's graphs on torch's CUDA builds), and a process that has
+    started the engine's threads cannot fork ranks that train: compile those here."""
+    with mp.get_context("fork").Pool(1) as pool:
+        return pool.apply(compile_to, (model, out), options)
+
+
 def measured_peaks(out: Path, processes: int = 2) -> list[float]:
     """Each device's measured peak (the largest over its replicas), from a fresh torchrun of
     the emitted script for 3 steps."""

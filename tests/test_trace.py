@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import MODELS, compile_to, emitted_modules, run_forked
+from conftest import MODELS, compile_apart, compile_to, emitted_modules, run_forked
 from pipec.errors import ConfigError, TraceError
 from pipec.loader import load_model_file
 from pipec.trace import trace_model
@@ -44,8 +44,8 @@ def test_exported_stages_compose_to_the_hugging_face_model(gpus: int, tmp_path: 
 
 
 def test_hugging_face_gpt2_trains_identically_on_1_and_2_stages(tmp_path: Path) -> None:
-    compile_to(HF, tmp_path / "one", gpus=1, batch_size=16)
-    compile_to(HF, tmp_path / "two", gpus=2, batch_size=16)
+    compile_apart(HF, tmp_path / "one", gpus=1, batch_size=16)
+    compile_apart(HF, tmp_path / "two", gpus=2, batch_size=16)
     reference = run_forked(tmp_path / "one", 1, "--steps", "4", "--seed", "3")
     assert run_forked(tmp_path / "two", 2, "--steps", "4", "--seed", "3") == reference
     assert len(set(reference)) > 1
@@ -90,8 +90,8 @@ def test_each_exported_stage_reads_the_dynamic_batch_again(tmp_path: Path) -> No
     a stage reads it again from a tensor it receives, so cuts inside the model are legal (128
     of GPT-2's 134 inner cuts; 6, all near the end, before) and 4 stages, each of 10 nodes or
     more, train like one process."""
-    compile_to(HF, tmp_path / "one", gpus=1, batch_size=16)
-    plan = compile_to(HF, tmp_path / "four", gpus=4, batch_size=16)
+    compile_apart(HF, tmp_path / "one", gpus=1, batch_size=16)
+    plan = compile_apart(HF, tmp_path / "four", gpus=4, batch_size=16)
     assert all(s.end - s.start >= 10 for s in plan.stages), [(s.start, s.end) for s in plan.stages]
     source = (tmp_path / "four" / "stages.py").read_text()
     assert source.count("torch.ops.aten.sym_size.int(") >= 3
