@@ -4,12 +4,15 @@ Each case compiles a model with `pipec compile --hardware cpu` and fixed choices
 micro-batch, schedule, optimizer), runs the emitted train.py under torchrun for a few steps with
 `--metrics`, and sets each pipeline device's predicted peak (plan.json) against its measured
 peak (the largest over its data-parallel replicas): the peak resident set size above the
-process's own baseline, taken before the model is built, with glibc returning large frees to
-the OS (see docs/runtime.md). The target is every device within ±15 %.
+process's own baseline, taken before the model is built, with glibc returning every freed
+block of a page or more to the OS (see docs/runtime.md). The target is every device within
+±15 %. It then runs the script again as users run it, without `--metrics`, and sets the
+resident peak that run prints (heap included, as the OS counts it) against the same
+prediction: within ±20 %.
 
     python benchmarks/memory_fidelity.py [--steps 3] [--only NAME ...] [--check]
 
-`--check` exits 1 when a device misses the target. `--max-batch` also checks one predicted
+`--check` exits 1 when a device misses either target. `--max-batch` also checks one predicted
 maximum batch for real: the long-sequence LM on 2 pipeline devices (GPipe, where every
 micro-batch is in flight: under 1F1B only the step's token ids grow with the batch) of a
 `--device-mib`-sized device; the largest batch pipec reports is run, its measured peak must stay
@@ -244,7 +247,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--only", nargs="*", default=None, help="case names to run")
-    parser.add_argument("--check", action="store_true", help="exit 1 when a device misses ±15%%")
+    parser.add_argument("--check", action="store_true", help="exit 1 when a device misses a target")
     parser.add_argument("--max-batch", action="store_true",
                         help="also run one predicted maximum batch for real")
     parser.add_argument("--device-mib", type=int, default=512)

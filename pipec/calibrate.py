@@ -31,7 +31,7 @@ from torch.nn import functional as F
 from pipec.annotate import COMPUTE_OPS, CostGraph, annotate
 from pipec.costmodel import Calibration, Fit, NodeTiming
 from pipec.errors import ConfigError, TraceError
-from pipec.heap import keep_freed_memory
+from pipec.heap import set_training_heap
 from pipec.loader import load_model_file
 from pipec.normalize import NormRewrite, group_norm_rewrites, to_group_norm
 from pipec.normtimes import kept_norm_timings
@@ -73,7 +73,7 @@ def profile_model(model: Path, batch_size: int, device: str = "cpu", repeats: in
     processes share it) is measured too (`Calibration.contention`)."""
     target = _device(device)
     if target.type == "cpu":
-        keep_freed_memory()  # the heap as train.py trains (pipec.heap)
+        set_training_heap()  # the heap as train.py trains (pipec.heap)
     if norm not in PROFILE_NORMS:
         raise ConfigError(f"--norm {norm!r}: use group (as pipelined plans run) or keep")
     spec = load_model_file(model)

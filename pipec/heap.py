@@ -1,8 +1,19 @@
-"""The host heap as the emitted train.py runs it on a CPU (its metrics.keep_freed_memory): glibc
-serves blocks under 32 MiB from its heap, never trims it and grows it 256 MiB at a time, so a
-training step reuses the pages the last one freed instead of faulting them in again. pipec's
-measurements (the profile's passes, the runtime probe's forked processes) run the same way,
-so that a pass is timed in the heap the training's steps run in."""
+"""The host heap as the emitted train.py runs it on a CPU (its metrics.set_training_heap), so
+that pipec's measurements (the profile's passes, the runtime probe's forked processes) time a
+pass in the heap the training's steps run in.
+
+glibc serves blocks of 256 KiB or more (MAPPED_BLOCK) with mappings of their own, given back
+to the OS when freed, and smaller ones from its heap, which it never trims. The large blocks are
+where training's memory goes (activations, logits, gradients); mapped, they hold no memory once
+freed, so the resident size follows what is allocated, as the plan counts it. In the heap they
+fragment it. Measured on a 2-core CPU, a long-sequence LM on 2 stages (1F1B, 16 micro-batches
+of 16 MiB logits, 123 and 127 MiB planned): 173-188 and 217-515 MiB above its start, growing
+with the steps, when the heap served blocks up to 32 MiB; 131-136 and 131-134 MiB with 1 MiB
+blocks mapped (on 4 stages, +40 %); 122-125 and 126 MiB with 256 KiB. The price is a page
+fault per page of every such block: that model's steps ran 28 % slower (3.6 against 2.6
+samples/s), and pipec's profile, run in this same heap, times it (docs/runtime.md). The small
+blocks keep their pages from step to step: a trimmed heap would fault them in every step.
+"""
 
 from __future__ import annotations
 
@@ -10,18 +21,18 @@ import ctypes
 import functools
 
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3  # glibc's mallopt parameters
-LARGEST_HEAP_BLOCK = 32 * 2**20  # glibc's largest M_MMAP_THRESHOLD
-HEAP_GROWTH = 256 * 2**20  # address space: only the pages a pass touches become resident
+MAPPED_BLOCK = 2**18  # blocks of this size or more are mapped apart, unmapped when freed
+HEAP_GROWTH = 64 * 2**20  # address space: only the pages a pass touches become resident
 
 
 @functools.cache
-def keep_freed_memory() -> bool:
+def set_training_heap() -> bool:
     """Set glibc's heap as train.py does, once per process; False where the C library is not
     glibc (nothing set)."""
     try:
         libc = ctypes.CDLL("libc.so.6")
         return all(libc.mallopt(option, value) == 1 for option, value in (
-            (M_MMAP_THRESHOLD, LARGEST_HEAP_BLOCK), (M_TRIM_THRESHOLD, 2**31 - 1),
+            (M_MMAP_THRESHOLD, MAPPED_BLOCK), (M_TRIM_THRESHOLD, 2**31 - 1),
             (M_TOP_PAD, HEAP_GROWTH)))
     except (OSError, AttributeError):
         return False

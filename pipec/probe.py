@@ -70,7 +70,7 @@ from pipec.allreduces import (
     replica_counts,
     step_s,
 )
-from pipec.heap import keep_freed_memory
+from pipec.heap import set_training_heap
 from pipec.receives import chain_records, late_receive_s
 from pipec.relay import relayed_s, slowdowns
 from pipec.timers import mean_s, span_s
@@ -114,7 +114,7 @@ def probe_runtime(processes: int, threads: int) -> RuntimeFigures:
     """Fork ``processes`` workers with ``threads`` threads each and measure; one process
     measures only itself (no links, no contention). The workers' heap is train.py's
     (pipec.heap)."""
-    keep_freed_memory()
+    set_training_heap()
     if processes < 2:
         return RuntimeFigures(1, 0.0, 0.0, 0.0, 0.0, 0.0, {}, 0.0,
                               ((0.0, 0.0),) * len(DATA_PARALLEL_SHAPES),

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import fx, nn
@@ -52,12 +54,42 @@ def trace_model(spec: ModelSpec, frontend: str = "auto") -> Traced:
 
 
 def _symbolic_trace(spec: ModelSpec, model: nn.Module) -> Traced:
+    defaults = _defaults_not_supplied(model, len(batch_inputs(spec, 1)[0]))
     try:
-        graph_module = fx.symbolic_trace(model)
+        graph_module = fx.symbolic_trace(model, concrete_args=defaults or None)
     except Exception as exc:
         raise TraceError(f"{user_frame(spec.path, exc)}: torch.fx cannot trace the model: "
                          f"{type(exc).__name__}: {_first_line(exc)}") from None
+    _drop_specialized_inputs(graph_module, len(defaults))
     return Traced(graph_module, _input_names(graph_module), "fx")
+
+
+def _defaults_not_supplied(model: nn.Module, supplied: int) -> dict[str, Any]:
+    """forward's parameters after the ``supplied`` positional inputs that have a default (a
+    timm block's ``attn_mask=None``): each stays its default, a constant in the graph, as a
+    call with ``supplied`` arguments leaves it."""
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    parameters = [p for p in inspect.signature(model.forward).parameters.values()
+                  if p.kind in kinds]
+    return {p.name: p.default for p in parameters[supplied:]
+            if p.default is not inspect.Parameter.empty}
+
+
+def _drop_specialized_inputs(graph_module: fx.GraphModule, count: int) -> None:
+    """fx keeps each specialized argument as a placeholder (its last ``count``) with checks
+    that a call passes the value traced with; the stages take only the real inputs, so the
+    placeholders go, with the checks, which nothing else uses."""
+    placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
+    doomed = set(placeholders[len(placeholders) - count:])
+    for node in graph_module.graph.nodes:
+        if any(arg in doomed for arg in node.all_input_nodes):
+            doomed.add(node)
+    for node in reversed(list(graph_module.graph.nodes)):
+        if node in doomed:
+            if any(user not in doomed for user in node.users):
+                raise TraceError(f"{node.format_node()} uses a specialized default argument")
+            graph_module.graph.erase_node(node)
+    graph_module.recompile()
 
 
 def _export(spec: ModelSpec, model: nn.Module) -> Traced:

@@ -98,3 +98,20 @@ def test_each_exported_stage_reads_the_dynamic_batch_again(tmp_path: Path) -> No
     reference = run_forked(tmp_path / "one", 1, "--steps", "3", "--seed", "3")
     assert run_forked(tmp_path / "four", 4, "--steps", "3", "--seed", "3") == pytest.approx(
         reference, rel=1e-5)
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_an_optional_argument_the_inputs_do_not_supply_stays_its_default(
+        frontend: str, tmp_path: Path) -> None:
+    """timm's blocks take ``attn_mask=None``: a forward parameter with a default that
+    sample_batch does not supply is traced as its default (a constant), under either front
+    end, and the model trains on 2 stages as on one process."""
+    model = MODELS / "optional_args.py"
+    traced = trace_model(load_model_file(model), frontend)
+    assert traced.input_names == ("x",)
+    compile_apart(model, tmp_path / "one", gpus=1, batch_size=16, frontend=frontend)
+    compile_apart(model, tmp_path / "two", gpus=2, batch_size=16, frontend=frontend)
+    reference = run_forked(tmp_path / "one", 1, "--steps", "3", "--seed", "3")
+    assert run_forked(tmp_path / "two", 2, "--steps", "3", "--seed", "3") == pytest.approx(
+        reference, rel=1e-6)
+    assert len(set(reference)) > 1
