@@ -36,10 +36,9 @@ log = logging.getLogger(__name__)
 
 MEASURE_CHOICES = ("auto", "off")
 # The compute times' cache: bump when what is measured for them, or how, changes.
-CACHE_VERSION = 16  # 16: the split backward at the largest profiled size
-# The runtime probe's (pipec.probe), bumped apart so that the compute times stay cached: 17
-# measures the relayed compute in rounds.
-RUNTIME_CACHE_VERSION = 17
+CACHE_VERSION = 17
+# The runtime probe's (pipec.probe), bumped apart so that the compute times can stay cached.
+RUNTIME_CACHE_VERSION = 18
 REPEATS = 10  # passes per micro-batch size, as pipec profile's default, at least
 # This machine's speed drifts by ±15 % from one 2-second window to the next (a shared virtual
 # machine): passes spread over this many seconds average it out.
