@@ -9,7 +9,7 @@ freed, so the resident size follows what is allocated, as the plan counts it. In
 fragment it. Measured on a 2-core CPU, a long-sequence LM on 2 stages (1F1B, 16 micro-batches
 of 16 MiB logits, 123 and 127 MiB planned): 173-188 and 217-515 MiB above its start, growing
 with the steps, when the heap served blocks up to 32 MiB; 131-136 and 131-134 MiB with 1 MiB
-blocks mapped (on 4 stages, +40 %); 122-125 and 126 MiB with 256 KiB. The price is a page
+blocks mapped (on 4 stages, +40 %); 122-144 and 126 MiB with 256 KiB. The price is a page
 fault per page of every such block: that model's steps ran 28 % slower (3.6 against 2.6
 samples/s), and pipec's profile, run in this same heap, times it (docs/runtime.md). The small
 blocks keep their pages from step to step: a trimmed heap would fault them in every step.
