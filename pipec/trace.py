@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import os
+import sys
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -97,16 +103,40 @@ def _export(spec: ModelSpec, model: nn.Module) -> Traced:
     that the graph holds for every micro-batch size."""
     inputs = tuple(t.to("meta") for t in batch_inputs(spec, 2)[0])
     dims = tuple({0: torch.export.Dim.AUTO} for _ in inputs)
-    try:
-        program = torch.export.export(model, inputs, dynamic_shapes=dims, strict=False)
-    except Exception as exc:
-        raise TraceError(f"{user_frame(spec.path, exc)}: torch.export cannot capture the model: "
-                         f"{type(exc).__name__}: {_first_line(exc)}") from None
+    with _torch_log_to_file() as log:
+        try:
+            program = torch.export.export(model, inputs, dynamic_shapes=dims, strict=False)
+        except Exception as exc:
+            raise TraceError(f"{user_frame(spec.path, exc)}: torch.export cannot capture the "
+                             f"model: {type(exc).__name__}: {_first_line(exc)} (torch's log: "
+                             f"{log})") from None
     graph_module = program.module()
     if not isinstance(graph_module, fx.GraphModule):
         raise TraceError(f"{spec.path}: torch.export returned no graph module")
     _drop_runtime_checks(graph_module)
     return Traced(graph_module, _input_names(graph_module), "export")
+
+
+@contextlib.contextmanager
+def _torch_log_to_file() -> Iterator[Path]:
+    """What torch prints on stderr while torch.export runs goes to a file in the temporary
+    directory instead: a failing export prints its graphs (hundreds of lines for a Hugging Face
+    model), which would bury pipec's one-line message. The file stays only if it has lines."""
+    path = Path(tempfile.gettempdir()) / f"pipec-export-{os.getpid()}.log"
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with path.open("w") as log:
+            os.dup2(log.fileno(), 2)
+            try:
+                yield path
+            finally:
+                sys.stderr.flush()
+                os.dup2(saved, 2)
+    finally:
+        os.close(saved)
+        if path.exists() and path.stat().st_size == 0:
+            path.unlink()
 
 
 def _drop_runtime_checks(graph_module: fx.GraphModule) -> None:

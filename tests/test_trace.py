@@ -4,6 +4,9 @@ messages when neither can."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -115,3 +118,19 @@ def test_an_optional_argument_the_inputs_do_not_supply_stays_its_default(
     assert run_forked(tmp_path / "two", 2, "--steps", "3", "--seed", "3") == pytest.approx(
         reference, rel=1e-6)
     assert len(set(reference)) > 1
+
+
+def test_a_failing_export_prints_one_line_and_keeps_torchs_log_in_a_file(tmp_path: Path
+                                                                         ) -> None:
+    """torch.export prints the graphs it captured when it fails; pipec's message is the one
+    line on stderr, and it names the file that holds torch's output."""
+    command = [sys.executable, "-c", "from pipec.cli import main; raise SystemExit(main())",
+               "compile", str(MODELS / "control_flow.py"), "--gpus", "1", "--hardware", "cpu",
+               "--frontend", "export", "-o", str(tmp_path / "out")]
+    run = subprocess.run(command, capture_output=True, text=True, check=False,
+                         env={**os.environ, "PIPEC_MEASURE": "off"})
+    assert run.returncode == 2
+    assert run.stderr.count("\n") == 1, run.stderr
+    log = Path(run.stderr.split("(torch's log: ")[1].split(")")[0])
+    assert "control_flow.py:15" in run.stderr and log.read_text().strip()
+    log.unlink()
