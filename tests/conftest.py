@@ -53,9 +53,9 @@ def compile_to(model: Path, out: Path, **options: Any) -> Plan:
 
 
 def compile_apart(model: Path, out: Path, **options: Any) -> Plan:
-    """compile_to in a forked child. Tracing some models runs autograd's engine on the meta
-    device (the export front end's graphs on torch's CUDA builds), and a process that has
-    started the engine's threads cannot fork ranks that train: compile those here."""
+    """compile_to in a forked child. On torch's CUDA builds, annotating some exported models
+    starts autograd's engine threads (seen on 2.11 with the Hugging Face GPT-2), and a process
+    that has started them cannot fork ranks that train: compile those here."""
     with mp.get_context("fork").Pool(1) as pool:
         return pool.apply(compile_to, (model, out), options)
 
