@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.nn import functional as F
 
 from pipec.autocast import AutocastRun, autocast_dtypes, run_under_autocast
 from pipec.costgraph import (
@@ -33,7 +32,7 @@ from pipec.liveness import legal_cuts, lifetimes, live_sets, live_values, rederi
 from pipec.loader import ModelSpec
 from pipec.measure import Measured, measure, nbytes, storage_id
 from pipec.tensors import flat_tensors
-from pipec.trace import Traced, batch_inputs
+from pipec.trace import Traced, batch_inputs, model_loss
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +67,8 @@ def annotate(traced: Traced, spec: ModelSpec, autocast_device: str = "cuda",
     live = live_sets({k: v for k, v in made_and_used.items() if k not in reread}, len(compute))
     held = [v for v in sizes if not one[v].saved_output]
     legal = legal_cuts(compute, made_and_used, nodes)
-    autocast = (run_under_autocast(gm, batches, autocast_device, _loss_fn(spec)) if bf16_memory
+    loss_fn = model_loss(spec, traced)
+    autocast = (run_under_autocast(gm, batches, autocast_device, loss_fn) if bf16_memory
                 else AutocastRun(autocast_dtypes(gm, batches[0][0], autocast_device)))
     values = tuple(_value_spec(n.name, one[n.name].value, two[n.name].value,
                                autocast.dtypes.get(n.name, ""))
@@ -79,7 +79,7 @@ def annotate(traced: Traced, spec: ModelSpec, autocast_device: str = "cuda",
                           batch_norm_channels=_batch_norm_channels(gm, n))
                   for n, c in zip(compute, nodes, strict=True))
     outputs = [_model_output(gm, measured) for measured in (one, two)]
-    loss = _loss_cost(spec, outputs, [targets for _, targets in batches])
+    loss = _loss_cost(loss_fn, spec, outputs, [targets for _, targets in batches])
     return CostGraph(nodes=nodes, legal_cuts=legal, values=values,
                      live=tuple(tuple(names) for names in live),
                      synthetic_data=not spec.has_train_dataset,
@@ -124,9 +124,9 @@ def _model_output(gm: fx.GraphModule, measured: dict[str, Measured]) -> Any:
     output = next(n for n in gm.graph.nodes if n.op == "output")
     return measured[output.name].value
 
-def _loss_cost(spec: ModelSpec, outputs: list[Any], targets: list[Any]) -> LossCost:
+def _loss_cost(loss_fn: Any, spec: ModelSpec, outputs: list[Any], targets: list[Any]
+               ) -> LossCost:
     """``loss_fn`` at each of MEASURED_BATCHES (saved, working and target bytes)."""
-    loss_fn = _loss_fn(spec)
     try:
         at = [_loss_bytes(loss_fn, output, target)
               for output, target in zip(outputs, targets, strict=True)]
@@ -136,9 +136,6 @@ def _loss_cost(spec: ModelSpec, outputs: list[Any], targets: list[Any]) -> LossC
         at = [(0, 0, nbytes(target)) for target in targets]
     saved, working, target_bytes = zip(*at, strict=True)
     return LossCost(_linear(*saved), _linear(*working), _linear(*target_bytes))
-
-def _loss_fn(spec: ModelSpec) -> Any:
-    return getattr(spec.module, "loss_fn", F.cross_entropy)
 
 def _loss_bytes(loss_fn: Any, output: Any, target: Any) -> tuple[int, int, int]:
     """Run ``loss_fn`` on meta copies of the model's output (autograd leaves, as the last

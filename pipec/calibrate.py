@@ -14,9 +14,12 @@ forward and one for backward, gives constants for any other model on the same de
 
 from __future__ import annotations
 
+import copy
+import functools
 import itertools
 import logging
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -26,20 +29,19 @@ from typing import Any
 import numpy as np
 import torch
 from torch import fx, nn
-from torch.nn import functional as F
 
 from pipec.annotate import COMPUTE_OPS, CostGraph, annotate
 from pipec.costmodel import Calibration, Fit, NodeTiming
-from pipec.errors import ConfigError, TraceError
+from pipec.errors import ConfigError
 from pipec.heap import set_training_heap
-from pipec.loader import load_model_file
+from pipec.loader import ModelSpec, load_model_file
 from pipec.normalize import NormRewrite, group_norm_rewrites, to_group_norm
 from pipec.normtimes import kept_norm_timings
 from pipec.probe import side_by_side
 from pipec.splittimes import split_backward_timing
 from pipec.steptimes import data_seconds, loss_timing, optimizer_seconds
 from pipec.tensors import flat_tensors
-from pipec.trace import Traced, batch_inputs, trace_model
+from pipec.trace import batch_inputs, model_loss, trace_model
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +65,8 @@ class Sample:
 
 def profile_model(model: Path, batch_size: int, device: str = "cpu", repeats: int = 10,
                   norm: str = "group", precision: str = "fp32", min_seconds: float = 0.0,
-                  processes: int = 1) -> tuple[Calibration, tuple[Sample, ...]]:
+                  processes: int = 1, frontend: str = "auto"
+                  ) -> tuple[Calibration, tuple[Sample, ...]]:
     """Time ``model`` at micro-batch sizes 1, 2, 4, … up to ``batch_size``. ``norm``: "group"
     times each BatchNorm as the GroupNorm a pipelined plan runs (`--norm auto`), "keep" as is;
     ``precision`` "bf16": the forward runs under bf16 autocast, as train.py runs it. At least
@@ -77,10 +80,9 @@ def profile_model(model: Path, batch_size: int, device: str = "cpu", repeats: in
     if norm not in PROFILE_NORMS:
         raise ConfigError(f"--norm {norm!r}: use group (as pipelined plans run) or keep")
     spec = load_model_file(model)
-    traced = _fx_trace(spec)
+    traced = trace_model(spec, frontend, target.type)
     graph = annotate(traced, spec, bf16_memory=False)
-    torch.manual_seed(0)
-    real = fx.symbolic_trace(spec.build_model())
+    real = _with_real_tensors(traced.graph_module, spec, target)
     sizes = [s for s in PROFILE_SIZES if s <= batch_size] or [batch_size]
     kept_norm: tuple[NodeTiming, ...] = ()
     if norm == "group":
@@ -100,7 +102,7 @@ def profile_model(model: Path, batch_size: int, device: str = "cpu", repeats: in
     middle = sizes[len(sizes) // 2]
     contention = side_by_side(lambda: _one_pass(real, inputs[middle], target), processes)
     loss = loss_timing(real, inputs, {size: b[1] for size, b in batches.items()},
-                       getattr(spec.module, "loss_fn", F.cross_entropy), target, repeats)
+                       model_loss(spec, traced), target, repeats)
     return (Calibration(target.type, forward, backward, _timings(graph, samples), overhead,
                         contention=contention, data_s=data_seconds(spec, sizes), loss=loss,
                         kept_norm=kept_norm,
@@ -122,13 +124,45 @@ class _Autocast(nn.Module):
             return self.module(*inputs)
 
 
-def _fx_trace(spec: Any) -> Traced:
-    try:
-        return trace_model(spec, "fx")
-    except TraceError as exc:
-        message = str(exc).removesuffix("; try --frontend export")
-        raise TraceError(f"{message}; pipec profile times the torch.fx graph, so it needs a model "
-                         "fx can trace: compile this one without --calibration") from None
+def _with_real_tensors(traced: fx.GraphModule, spec: ModelSpec, device: torch.device
+                       ) -> fx.GraphModule:
+    """A copy of the traced graph (either front end's) holding the model's weights and
+    buffers as ``build_model`` makes them under seed 0, found by name; a constant the trace
+    made (an exported graph's) is zeros, which times the same. Tensors the graph makes on the
+    trace's meta device are made on ``device``."""
+    torch.manual_seed(0)
+    model = spec.build_model()
+    named = {**dict(model.named_parameters(remove_duplicate=False)),
+             **dict(model.named_buffers(remove_duplicate=False))}
+    with warnings.catch_warnings():  # copying an exported graph's pytree specs warns
+        warnings.simplefilter("ignore", FutureWarning)
+        real = copy.deepcopy(traced)
+    for prefix, module in real.named_modules():
+        for slot in ("_parameters", "_buffers"):
+            tensors = getattr(module, slot)
+            for name, tensor in tensors.items():
+                if tensor is not None:
+                    tensors[name] = named.get(f"{prefix}.{name}".lstrip("."), _zeros(tensor))
+        for name, value in list(vars(module).items()):
+            if isinstance(value, torch.Tensor):
+                setattr(module, name, _zeros(value))
+    # An exported graph's code takes and returns pytrees; this one is called with the inputs.
+    real.graph.set_codegen(fx.graph.CodeGen())
+    on_device = functools.partial(_meta_to, device)
+    for node in real.graph.nodes:
+        node.args = fx.node.map_aggregate(node.args, on_device)
+        node.kwargs = fx.node.map_aggregate(node.kwargs, on_device)
+    real.recompile()
+    return real
+
+
+def _meta_to(device: torch.device, arg: Any) -> Any:
+    return device if isinstance(arg, torch.device) and arg.type == "meta" else arg
+
+
+def _zeros(meta: torch.Tensor) -> torch.Tensor:
+    zeros = torch.zeros(meta.shape, dtype=meta.dtype)
+    return nn.Parameter(zeros, meta.requires_grad) if isinstance(meta, nn.Parameter) else zeros
 
 
 def _to_group_norms(real: fx.GraphModule, rewrites: tuple[NormRewrite, ...]) -> None:

@@ -201,6 +201,8 @@ def _add_profile(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument("--norm", choices=PROFILE_NORMS, default="group",
                    help="time each BatchNorm as the GroupNorm pipelined plans run (group), or "
                    "as it is (keep)")
+    p.add_argument("--frontend", choices=FRONTENDS, default="auto",
+                   help="the graph to time, as pipec compile --frontend captures it (auto)")
     p.add_argument("-o", "--out", type=Path, default=Path("calibration.json"),
                    help="calibration file to write (calibration.json)")
     p.add_argument("-v", "--verbose", action="store_true", help="log progress")
@@ -212,7 +214,7 @@ def _run_profile(args: argparse.Namespace) -> int:
         raise ConfigError(f"--batch-size {args.batch_size} and --repeats {args.repeats} must be "
                           "positive")
     calibration, _ = profile_model(args.model, args.batch_size, args.device, args.repeats,
-                                   args.norm)
+                                   args.norm, frontend=args.frontend)
     save_calibration(calibration, args.out)
     forward, backward = calibration.forward, calibration.backward
     sizes = ", ".join(map(str, calibration.nodes[0].sizes)) if calibration.nodes else "none"

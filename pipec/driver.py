@@ -65,7 +65,7 @@ class Analyzed:
 def analyze(options: CompileOptions) -> Analyzed:
     request = _request(options)
     spec = load_model_file(options.model)
-    traced = trace_model(spec, options.frontend)
+    traced = trace_model(spec, options.frontend, _device_type(request.devices))
     graph = annotate(traced, spec, autocast_device=_device_type(request.devices),
                      bf16_memory=options.precision == "bf16")
     check(graph, request)  # the user's mistakes before the (slow, first-time) measurement
@@ -78,15 +78,17 @@ def _measured(request: PlanRequest, options: CompileOptions) -> PlanRequest:
     if options.measure == "off" or request.calibration is not None:
         return request
     local = measure_locally(options.model, request.devices, options.gpus // options.nodes,
-                            options.batch_size, options.precision, options.norm)
+                            options.batch_size, options.precision, options.norm,
+                            options.frontend)
     if local is None:
         return request
     return replace(request, calibration=local.calibration, devices=local.devices)
 
 
 def _device_type(devices: tuple[Device, ...]) -> str:
-    """The device type the plan trains on, whose autocast rules set the boundary dtypes under
-    bf16 (`Device.device_type`: CPU for the `cpu` preset, CUDA for the GPU presets)."""
+    """The device type the plan trains on, which the trace fakes and whose autocast rules set
+    the boundary dtypes under bf16 (`Device.device_type`: CPU for the `cpu` preset, CUDA for
+    the GPU presets)."""
     return "cpu" if all(d.device_type == "cpu" for d in devices) else "cuda"
 
 

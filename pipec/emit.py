@@ -28,6 +28,7 @@ from pipec.planning.evaluate import group_figures_used
 from pipec.report import (
     baseline_table,
     decision_text,
+    device_text,
     max_batch_table,
     norm_table,
     search_table,
@@ -108,6 +109,9 @@ def _context(spec: ModelSpec, traced: Traced, plan: Plan, norms: NormPlan,
         "schedule_class": SCHEDULE_CLASSES[plan.schedule],
         "optimizer": request.training.optimizer, "precision": request.training.precision,
         "default_lr": DEFAULT_LR[request.training.optimizer], "frontend": traced.frontend,
+        "device_note": device_text(traced.device, traced.device_reads),
+        "output_structure": repr(traced.output_structure) if traced.output_structure else "",
+        "output_type": _output_type(traced.output_structure),
         "predicted_iteration": duration(plan.iteration_s),
         "predicted_throughput": f"{plan.samples_per_s:,.1f}",
         "predicted_bubble": f"{plan.idle_share:.1%}",
@@ -117,6 +121,11 @@ def _context(spec: ModelSpec, traced: Traced, plan: Plan, norms: NormPlan,
         "run_commands": run_commands(plan), "norm_choice": norms.choice,
         "plan_id": identity, "supported_torch": SUPPORTED_TORCH, "supported_pip": SUPPORTED_PIP,
     }
+
+
+def _output_type(structure: str | None) -> str:
+    """The name of the model output's type, from torch's pytree JSON ([version, root node])."""
+    return "" if structure is None else str(json.loads(structure)[1]["type"]).split(".")[-1]
 
 
 def _term_label(name: str, plan: Plan) -> str:

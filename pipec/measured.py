@@ -61,6 +61,7 @@ class Target:
     precision: str
     norm: str
     processes: int = 1  # computing side by side on this machine (CPU processes of one node)
+    frontend: str = "auto"  # the graph whose nodes are timed (pipec.trace)
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,8 @@ class Local:
 
 
 def measure_locally(model: Path, devices: tuple[Device, ...], processes_per_node: int,
-                    batch_size: int, precision: str, norm: str) -> Local | None:
+                    batch_size: int, precision: str, norm: str, frontend: str = "auto"
+                    ) -> Local | None:
     """``model`` measured here, from the cache or now; None when the devices are not this
     machine's kind (the preset's roofline is used, as before)."""
     device_type = _local_device_type(devices)
@@ -83,7 +85,7 @@ def measure_locally(model: Path, devices: tuple[Device, ...], processes_per_node
     target = Target(device_type, _device_name(device_type), threads,
                     _max_micro_batch(batch_size), precision,
                     "keep" if norm in ("keep", "sync") else "group",
-                    processes_per_node if device_type == "cpu" else 1)
+                    processes_per_node if device_type == "cpu" else 1, frontend)
     calibration = _compute_times(model, target)
     if calibration is None:
         return None
@@ -228,7 +230,7 @@ def _measure(model: Path, target: Target) -> Calibration:
     with _threads(target.threads):
         calibration, _ = profile_model(model, target.max_micro_batch, target.device_type,
                                        REPEATS, target.norm, target.precision, MIN_SECONDS,
-                                       target.processes)
+                                       target.processes, target.frontend)
     log.info("measured %d nodes in %.1f s", len(calibration.nodes), time.perf_counter() - started)
     return calibration
 

@@ -10,6 +10,7 @@ from dataclasses import asdict
 from typing import Any
 
 from pipec.devicepeak import apart_bytes
+from pipec.fakedevice import short_read
 from pipec.hardware import action_s, for_replicas
 from pipec.normalize import NormPlan
 from pipec.planner import Plan
@@ -32,6 +33,8 @@ def plan_dict(plan: Plan, norms: NormPlan, traced: Traced) -> dict[str, Any]:
         "calibration": request.calibration.device if request.calibration else None,
         "calibration_node_times": bool(request.calibration and request.calibration.nodes),
         "inputs": list(traced.input_names),
+        "traced_on": traced.device,
+        "device_reads": [short_read(r) for r in traced.device_reads],
         "stages": [{
             "index": s.index, "modules": list(s.modules), "params": s.params,
             "fwd_flops": s.fwd_flops, "bwd_flops": s.bwd_flops,

@@ -7,6 +7,7 @@ from html import escape
 
 from tabulate import tabulate
 
+from pipec.fakedevice import short_read
 from pipec.normalize import NormPlan
 from pipec.planner import Plan
 from pipec.simulate import Simulation
@@ -38,6 +39,24 @@ def search_table(plan: Plan) -> str:
     headers = ("micro-batch", "micro-batches", "schedule", "pp×dp", "samples/s",
                "peak memory MiB", "fits")
     return tabulate(rows, headers, tablefmt="github")
+
+
+def device_text(device: str, reads: tuple[str, ...]) -> str:
+    """The report's note on code that read a tensor's device while the model was traced: the
+    graph holds the branches a run on the traced device takes (pipec.fakedevice)."""
+    if not reads:
+        return ""
+    places = ", ".join(f"`{short_read(r)}`" for r in reads[:3]) + (
+        f" and {len(reads) - 3} more" if len(reads) > 3 else "")
+    where = f"{len(reads)} place(s) ({places})"
+    if device == "meta":
+        return (f"The model reads a tensor's device at {where}. No GPU is visible here, so the "
+                "model was traced on meta tensors: code that branches on the device took its "
+                "non-CPU path, as on CUDA unless it tests for another device type; compile on "
+                "a machine with a GPU to trace on CUDA.")
+    return (f"The model reads a tensor's device at {where}: it was traced on {device}, the "
+            f"device this plan trains on, so the graph holds the branches a {device} run "
+            "takes; compile again for another device type.")
 
 
 def decision_text(plan: Plan) -> str:

@@ -8,22 +8,27 @@ runtime as the training does.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Iterable
+import sys
+from collections.abc import Iterable, Iterator
 from importlib import resources
 from types import ModuleType
 from typing import Any
 
 import jinja2
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pipec import __version__
 from pipec.errors import PipecError
 
-__all__ = ["SUPPORTED_PIP", "SUPPORTED_TORCH", "FakeTensorMode", "TorchDispatchMode",
-           "UnsupportedTorchError", "backward_input", "check_torch", "pipeline_backward", "release",
+__all__ = ["SUPPORTED_PIP", "SUPPORTED_TORCH", "FakeTensor", "FakeTensorMode",
+           "TorchDispatchMode", "UnsupportedTorchError", "backward_input", "can_fake",
+           "check_torch", "device_reads", "fake_mode", "fake_on_device",
+           "output_structure", "pipeline_backward", "release",
            "runtime_compat"]
 
 # The oldest and newest torch releases (major, minor) the test suite runs on (.ci/run).
@@ -49,6 +54,65 @@ def check_torch(version: str | None = None) -> None:
         raise UnsupportedTorchError(
             f"torch {version} is not supported: pipec and the scripts it writes run on torch "
             f"{oldest} to {newest}; install one (pip install '{SUPPORTED_PIP}')")
+
+
+def can_fake(device_type: str) -> bool:
+    """Whether pipec fakes ``device_type`` here: the CPU always; CUDA only where a GPU is
+    visible. A CPU-only build aborts the process on a fake CUDA tensor; a CUDA build without a
+    GPU fakes it by installing a no-op CUDA device guard for good, after which autograd starts
+    device threads and processes forked later (pipec's probes, the tests' ranks) cannot run a
+    backward."""
+    return device_type == "cpu" or (device_type == "cuda" and torch.cuda.is_available())
+
+
+class _CpuFakeTensorMode(FakeTensorMode):
+    """Fakes CPU tensors without the no-op CUDA device guard (see can_fake) that FakeTensorMode
+    installs on entry wherever no accelerator is available: a CPU trace needs no CUDA."""
+
+    @property
+    def avoid_device_init(self) -> bool:
+        return False
+
+
+def fake_mode(device_type: str) -> FakeTensorMode:
+    """A FakeTensorMode for faking ``device_type`` (one that can_fake accepts)."""
+    return _CpuFakeTensorMode() if device_type == "cpu" else FakeTensorMode()
+
+
+def fake_on_device(mode: FakeTensorMode, meta: torch.Tensor, device: torch.device) -> FakeTensor:
+    """A fake tensor of ``mode`` with ``meta``'s shape, strides and dtype that reports
+    ``device``: nothing is allocated, and code that reads its device sees the one the run has."""
+    return mode.fake_tensor_converter.from_meta_and_device(mode, meta, device)
+
+
+@contextlib.contextmanager
+def device_reads(skip: tuple[str, ...]) -> Iterator[list[str]]:
+    """Record where code outside the ``skip`` directories (torch's, pipec's) reads a fake
+    tensor's device, as "file:line", while the block runs. FakeTensor.device is a Python
+    property on every supported release; it is wrapped for the block only."""
+    reads: list[str] = []
+    original = FakeTensor.__dict__["device"]
+
+    def read(tensor: FakeTensor) -> torch.device:
+        caller = sys._getframe(1)
+        if not caller.f_code.co_filename.startswith(skip):
+            reads.append(f"{caller.f_code.co_filename}:{caller.f_lineno}")
+        return original.fget(tensor)
+
+    FakeTensor.device = property(read, original.fset)  # type: ignore[method-assign,assignment]
+    try:
+        yield reads
+    finally:
+        FakeTensor.device = original  # type: ignore[method-assign]
+
+
+def output_structure(structure: pytree.TreeSpec) -> str | None:
+    """torch.export's output structure as JSON for the emitted script, or None for the outputs
+    the stages return as they are: a tensor, or a tuple or list of tensors. Raises TypeError for
+    a type pytree cannot write (one registered without a serialized name)."""
+    plain = structure.is_leaf() or (structure.type in (tuple, list) and all(
+        child.is_leaf() for child in structure.children_specs))
+    return None if plain else pytree.treespec_dumps(structure)
 
 
 def pipeline_backward(outputs: list[torch.Tensor], gradients: list[torch.Tensor],

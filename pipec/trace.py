@@ -7,8 +7,9 @@ import inspect
 import os
 import sys
 import tempfile
+import traceback
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -16,16 +17,25 @@ import torch
 from torch import fx, nn
 
 from pipec.errors import ConfigError, ModelFileError, TraceError
+from pipec.fakedevice import FakeDevice, on_fake_device, short_read, to_meta, trace_device
 from pipec.loader import ModelSpec, user_frame
+from pipec.torchcompat import output_structure, runtime_compat
 
 
 @dataclass(frozen=True)
 class Traced:
-    """The model's fx graph, built on meta (no weight is allocated), and its input names."""
+    """The model's fx graph, built on meta (no weight is allocated), and its input names;
+    the device it was traced on (pipec.fakedevice) and where model code read a tensor's
+    device while tracing ("file:line")."""
 
     graph_module: fx.GraphModule
     input_names: tuple[str, ...]
     frontend: str
+    device: str = "meta"
+    device_reads: tuple[str, ...] = ()
+    # torch's pytree JSON of forward's output (a ModelOutput, a dict ...) for loss_fn; None
+    # when it is a tensor or a tuple of tensors, which the last stage returns as they are.
+    output_structure: str | None = None
 
 
 FRONTENDS = ("auto", "fx", "export")
@@ -35,8 +45,9 @@ _EXPORT_CHECKS = ("_assert_tensor_metadata", "_assert_scalar", "sym_constrain_ra
                   "_assert_async")
 
 
-def trace_model(spec: ModelSpec, frontend: str = "auto") -> Traced:
-    """Build ``spec``'s model under ``torch.device("meta")`` and capture its graph: with
+def trace_model(spec: ModelSpec, frontend: str = "auto", device_type: str = "cpu") -> Traced:
+    """Build ``spec``'s model under ``torch.device("meta")`` and capture its graph, its weights
+    and inputs faking ``device_type`` (the plan's: "cpu" or "cuda"): with
     ``torch.fx.symbolic_trace``, or ``torch.export`` for models fx cannot trace ("auto" tries
     fx first)."""
     if frontend not in FRONTENDS:
@@ -46,28 +57,36 @@ def trace_model(spec: ModelSpec, frontend: str = "auto") -> Traced:
     if not isinstance(model, nn.Module):
         raise ModelFileError(f"{spec.path}: build_model() returned {type(model).__name__}, "
                              "expected a torch.nn.Module")
+    device = trace_device(device_type)
     if frontend == "export":
-        return _export(spec, model)
+        return _export(spec, model, device)
     try:
-        return _symbolic_trace(spec, model)
+        return _symbolic_trace(spec, model, device)
     except TraceError as fx_error:
         if frontend == "fx":
             raise TraceError(f"{fx_error}; try --frontend export") from None
         try:
-            return _export(spec, model)
+            return _export(spec, model, device)
         except TraceError as export_error:
             raise TraceError(f"{fx_error}; and with --frontend export: {export_error}") from None
 
 
-def _symbolic_trace(spec: ModelSpec, model: nn.Module) -> Traced:
+def _symbolic_trace(spec: ModelSpec, model: nn.Module, device: str) -> Traced:
     defaults = _defaults_not_supplied(model, len(batch_inputs(spec, 1)[0]))
-    try:
-        graph_module = fx.symbolic_trace(model, concrete_args=defaults or None)
-    except Exception as exc:
-        raise TraceError(f"{user_frame(spec.path, exc)}: torch.fx cannot trace the model: "
-                         f"{type(exc).__name__}: {_first_line(exc)}") from None
+    with on_fake_device(model, device) as faked:
+        try:
+            graph_module = fx.symbolic_trace(model, concrete_args=defaults or None)
+        except Exception as exc:
+            raise TraceError(f"{user_frame(spec.path, exc)}: torch.fx cannot trace the model: "
+                             f"{type(exc).__name__}: {_first_line(exc)}") from None
     _drop_specialized_inputs(graph_module, len(defaults))
-    return Traced(graph_module, _input_names(graph_module), "fx")
+    return _traced(graph_module, "fx", faked)
+
+
+def _traced(graph_module: fx.GraphModule, frontend: str, faked: FakeDevice) -> Traced:
+    to_meta(graph_module, faked)
+    return Traced(graph_module, _input_names(graph_module), frontend, faked.device.type,
+                  tuple(faked.reads))
 
 
 def _defaults_not_supplied(model: nn.Module, supplied: int) -> dict[str, Any]:
@@ -98,23 +117,70 @@ def _drop_specialized_inputs(graph_module: fx.GraphModule, count: int) -> None:
     graph_module.recompile()
 
 
-def _export(spec: ModelSpec, model: nn.Module) -> Traced:
-    """torch.export (non-strict) on meta inputs of batch 2, the batch dimension dynamic, so
-    that the graph holds for every micro-batch size."""
-    inputs = tuple(t.to("meta") for t in batch_inputs(spec, 2)[0])
-    dims = tuple({0: torch.export.Dim.AUTO} for _ in inputs)
-    with _torch_log_to_file() as log:
+def _export(spec: ModelSpec, model: nn.Module, device: str) -> Traced:
+    """torch.export (non-strict) on inputs of batch 2, the batch dimension dynamic, so that
+    the graph holds for every micro-batch size."""
+    with on_fake_device(model, device) as faked, _torch_log_to_file() as log:
+        inputs = tuple(faked.fake(t.to("meta")) for t in batch_inputs(spec, 2)[0])
+        dims = tuple({0: torch.export.Dim.AUTO} for _ in inputs)
         try:
             program = torch.export.export(model, inputs, dynamic_shapes=dims, strict=False)
         except Exception as exc:
-            raise TraceError(f"{user_frame(spec.path, exc)}: torch.export cannot capture the "
-                             f"model: {type(exc).__name__}: {_first_line(exc)} (torch's log: "
+            fix = _known_fix(exc)
+            message = _first_line(exc).split(". ")[0] if fix else _first_line(exc)
+            raise TraceError(f"{_failing_frame(spec.path, exc)}: torch.export cannot capture "
+                             f"the model: {type(exc).__name__}: {message}{fix} (torch's log: "
                              f"{log})") from None
-    graph_module = program.module()
+        graph_module = program.module()
     if not isinstance(graph_module, fx.GraphModule):
         raise TraceError(f"{spec.path}: torch.export returned no graph module")
     _drop_runtime_checks(graph_module)
-    return Traced(graph_module, _input_names(graph_module), "export")
+    traced = _traced(graph_module, "export", faked)
+    return replace(traced, output_structure=_output_structure(spec, program))
+
+
+# Export failures with a known cause in model code: (words in torch's message, the fix).
+_EXPORT_FIXES = (
+    (("Cache'> in output", "Cache is not", "past_key_values"),
+     "the model returns its key/value cache: set use_cache=False in its config (or call it "
+     "from a wrapper that returns the logits)"),
+    (("data-dependent", "data dependent"),
+     "the code branches or loops on a tensor's values: write it with torch.where or "
+     "torch.cond, or choose the library's option that avoids the loop (a Hugging Face MoE: "
+     "the config's default experts implementation)"),
+)
+
+
+def _known_fix(exc: BaseException) -> str:
+    text = str(exc)
+    return next((f"; {fix}" for words, fix in _EXPORT_FIXES if any(w in text for w in words)),
+                "")
+
+
+def _failing_frame(path: Path, exc: BaseException) -> str:
+    """The innermost frame of the traceback in model code (the model file's, or a library's
+    such as transformers'), not torch's, pipec's or Python's; with the model file's line that
+    led there when they differ."""
+    mine = user_frame(path, exc)
+    skip = (os.path.dirname(torch.__file__), os.path.dirname(__file__),
+            os.path.dirname(os.__file__))
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not f.filename.startswith(skip) and not f.filename.startswith("<")]
+    if not frames or Path(frames[-1].filename).resolve() == path.resolve():
+        return mine
+    library = short_read(f"{frames[-1].filename}:{frames[-1].lineno}")
+    return f"{library} (from {mine})"
+
+
+def _output_structure(spec: ModelSpec, program: torch.export.ExportedProgram) -> str | None:
+    structure = program.call_spec.out_spec
+    try:
+        return output_structure(structure)
+    except (TypeError, NotImplementedError) as exc:
+        raise ModelFileError(
+            f"{spec.path}: forward returns a {getattr(structure.type, '__name__', structure.type)}"
+            f", which pipec cannot rebuild for loss_fn ({_first_line(exc)}); return a tensor, a "
+            "tuple or a dict of tensors (or a Hugging Face ModelOutput)") from None
 
 
 @contextlib.contextmanager
@@ -178,3 +244,15 @@ def batch_inputs(spec: ModelSpec, batch_size: int) -> tuple[tuple[torch.Tensor, 
         raise ModelFileError(f"{spec.path}: sample_batch() inputs must be a tensor or a tuple "
                              "of tensors (the positional arguments of forward)")
     return tuple(inputs), targets
+
+
+def model_loss(spec: ModelSpec, traced: Traced) -> Any:
+    """The model file's loss (cross-entropy by default), given the model's output as forward
+    returns it: a ModelOutput or dict is rebuilt from the graph's tensors, as the emitted
+    script rebuilds it from the last stage's."""
+    loss_fn = getattr(spec.module, "loss_fn", nn.functional.cross_entropy)
+    if traced.output_structure is None:
+        return loss_fn
+    compat = runtime_compat()
+    structure = compat.output_structure(traced.output_structure)
+    return lambda output, targets: loss_fn(compat.rebuild_output(output, structure), targets)

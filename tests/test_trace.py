@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from conftest import MODELS, compile_apart, compile_to, emitted_modules, run_forked
+from pipec.annotate import COMPUTE_OPS
 from pipec.errors import ConfigError, TraceError
 from pipec.loader import load_model_file
 from pipec.trace import trace_model
@@ -80,12 +81,17 @@ def test_exported_nodes_keep_the_models_module_names(tmp_path: Path) -> None:
     assert names and all(name.startswith("gpt") for name in names), names
 
 
-def test_profile_needs_an_fx_graph_and_says_so() -> None:
+def test_profile_times_the_exported_graph_node_by_node() -> None:
+    """pipec profile (and --measure auto) times the graph the compile plans with, exported
+    too: every compute node of the Hugging Face GPT-2 gets times, bound to its name."""
     from pipec.calibrate import profile_model
 
-    with pytest.raises(TraceError, match=r"hf_gpt2\.py:\d+: torch\.fx cannot trace the model.*"
-                                         r"pipec profile times the torch\.fx graph"):
-        profile_model(HF, 2)
+    calibration, samples = profile_model(HF, 2, repeats=2)
+    traced = trace_model(load_model_file(HF))
+    compute = [n.name for n in traced.graph_module.graph.nodes if n.op in COMPUTE_OPS]
+    assert traced.frontend == "export"
+    assert {t.node for t in calibration.nodes} == set(compute)
+    assert sum(s.fwd_s + s.bwd_s for s in samples if s.micro_batch == 2) > 0
 
 
 def test_each_exported_stage_reads_the_dynamic_batch_again(tmp_path: Path) -> None:

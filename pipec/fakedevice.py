@@ -1,0 +1,139 @@
+"""Trace on the device type the plan trains on, without allocating: the model's weights and the
+sample inputs become fake tensors that report that device, so code that branches on
+``x.device.type`` (Hugging Face's Mixtral experts pick a ``histc`` dtype that way) takes the
+branch the run will take. After tracing, the graph goes back to meta tensors, which the passes
+after the trace measure on; its device constants become meta, which the split turns into the
+stage's run device."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx, nn
+
+import pipec
+from pipec.torchcompat import (
+    FakeTensor,
+    FakeTensorMode,
+    can_fake,
+    device_reads,
+    fake_mode,
+    fake_on_device,
+)
+
+__all__ = ["FakeDevice", "on_fake_device", "short_read", "to_meta", "trace_device"]
+
+# Reads of a tensor's device inside these packages are torch's own bookkeeping, not model code.
+_NOT_MODEL_CODE = (os.path.dirname(torch.__file__), os.path.dirname(pipec.__file__))
+
+
+def trace_device(device_type: str) -> str:
+    """The device the trace fakes: the plan's ("cpu" or "cuda"), or "meta" where pipec does
+    not fake it (CUDA where no GPU is visible: torchcompat.can_fake)."""
+    return device_type if can_fake(device_type) else "meta"
+
+
+@dataclass
+class FakeDevice:
+    """The fake tensors standing in for a model's weights while it is traced."""
+
+    device: torch.device
+    mode: FakeTensorMode | None
+    originals: dict[int, torch.Tensor] = field(default_factory=dict)  # id(fake) -> meta
+    reads: list[str] = field(default_factory=list)
+
+    def fake(self, meta: torch.Tensor) -> torch.Tensor:
+        if self.mode is None:
+            return meta
+        fake = fake_on_device(self.mode, meta, self.device)
+        self.originals[id(fake)] = meta
+        return fake
+
+
+@contextlib.contextmanager
+def on_fake_device(model: nn.Module, device: str) -> Iterator[FakeDevice]:
+    """Within the block, ``model``'s (meta) parameters and buffers are fakes on ``device``;
+    ``FakeDevice.fake`` makes the inputs, and ``reads`` lists where model code read a fake
+    tensor's device. On "meta" nothing is swapped."""
+    faked = FakeDevice(torch.device(device), None if device == "meta" else fake_mode(device))
+    swapped = _swap(model, faked)
+    try:
+        with device_reads(_NOT_MODEL_CODE) as reads:
+            yield faked
+        faked.reads[:] = list(dict.fromkeys(reads))
+    finally:
+        for module, slot, name, tensor in swapped:
+            getattr(module, slot)[name] = tensor
+
+
+def _swap(model: nn.Module, faked: FakeDevice
+          ) -> list[tuple[nn.Module, str, str, torch.Tensor]]:
+    if faked.mode is None:
+        return []
+    swapped: list[tuple[nn.Module, str, str, torch.Tensor]] = []
+    fakes: dict[int, torch.Tensor] = {}  # a tied weight stays one tensor
+    for module in model.modules():
+        for slot in ("_parameters", "_buffers"):
+            for name, tensor in getattr(module, slot).items():
+                if tensor is None:
+                    continue
+                if id(tensor) not in fakes:
+                    fakes[id(tensor)] = _fake_like(tensor, faked)
+                getattr(module, slot)[name] = fakes[id(tensor)]
+                swapped.append((module, slot, name, tensor))
+    return swapped
+
+
+def _fake_like(tensor: torch.Tensor, faked: FakeDevice) -> torch.Tensor:
+    fake = faked.fake(tensor.detach())
+    if not isinstance(tensor, nn.Parameter):
+        faked.originals[id(fake)] = tensor
+        return fake
+    parameter = nn.Parameter(fake, requires_grad=tensor.requires_grad)
+    faked.originals[id(parameter)] = tensor
+    return parameter
+
+
+def to_meta(graph_module: fx.GraphModule, faked: FakeDevice) -> None:
+    """Every fake tensor ``graph_module`` holds back to its meta original (a fresh meta tensor
+    for a constant the trace made), and every use of the faked device in the graph to meta."""
+    if faked.mode is None:
+        return
+    for module in graph_module.modules():
+        for slot in ("_parameters", "_buffers"):
+            for name, tensor in getattr(module, slot).items():
+                if isinstance(tensor, FakeTensor):
+                    getattr(module, slot)[name] = _meta_of(tensor, faked)
+        for name, value in list(vars(module).items()):
+            if isinstance(value, FakeTensor):
+                setattr(module, name, _meta_of(value, faked))
+    for node in graph_module.graph.nodes:
+        node.args = fx.node.map_aggregate(node.args, lambda a: _meta_device(a, faked.device))
+        node.kwargs = fx.node.map_aggregate(node.kwargs, lambda a: _meta_device(a, faked.device))
+    graph_module.recompile()
+
+
+def _meta_of(tensor: torch.Tensor, faked: FakeDevice) -> torch.Tensor:
+    original = faked.originals.get(id(tensor))
+    if original is not None:
+        return original
+    meta = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
+    return nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
+
+
+def _meta_device(arg: object, device: torch.device) -> object:
+    if isinstance(arg, torch.device) and arg.type == device.type:
+        return torch.device("meta")
+    return arg
+
+
+def short_read(read: str) -> str:
+    """A read's ``file:line`` without the directories a reader does not need (and no absolute
+    path in the output): from the package below site-packages on, or the file's name."""
+    path, _, line = read.rpartition(":")
+    short = path.split("site-packages/")[-1] if "site-packages/" in path else path.split("/")[-1]
+    return f"{short}:{line}"
