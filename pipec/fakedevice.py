@@ -20,8 +20,8 @@ from pipec.torchcompat import (
     FakeTensor,
     FakeTensorMode,
     can_fake,
+    cpu_only_fakes,
     device_reads,
-    fake_mode,
     fake_on_device,
 )
 
@@ -59,15 +59,16 @@ def on_fake_device(model: nn.Module, device: str) -> Iterator[FakeDevice]:
     """Within the block, ``model``'s (meta) parameters and buffers are fakes on ``device``;
     ``FakeDevice.fake`` makes the inputs, and ``reads`` lists where model code read a fake
     tensor's device. On "meta" nothing is swapped."""
-    faked = FakeDevice(torch.device(device), None if device == "meta" else fake_mode(device))
-    swapped = _swap(model, faked)
-    try:
-        with device_reads(_NOT_MODEL_CODE) as reads:
-            yield faked
-        faked.reads[:] = list(dict.fromkeys(reads))
-    finally:
-        for module, slot, name, tensor in swapped:
-            getattr(module, slot)[name] = tensor
+    faked = FakeDevice(torch.device(device), None if device == "meta" else FakeTensorMode())
+    with cpu_only_fakes() if device == "cpu" else contextlib.nullcontext():
+        swapped = _swap(model, faked)
+        try:
+            with device_reads(_NOT_MODEL_CODE) as reads:
+                yield faked
+            faked.reads[:] = list(dict.fromkeys(reads))
+        finally:
+            for module, slot, name, tensor in swapped:
+                getattr(module, slot)[name] = tensor
 
 
 def _swap(model: nn.Module, faked: FakeDevice

@@ -25,11 +25,24 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from pipec import __version__
 from pipec.errors import PipecError
 
-__all__ = ["SUPPORTED_PIP", "SUPPORTED_TORCH", "FakeTensor", "FakeTensorMode",
-           "TorchDispatchMode", "UnsupportedTorchError", "backward_input", "can_fake",
-           "check_torch", "device_reads", "fake_mode", "fake_on_device",
-           "output_structure", "pipeline_backward", "release",
-           "runtime_compat"]
+__all__ = [
+    "SUPPORTED_PIP",
+    "SUPPORTED_TORCH",
+    "FakeTensor",
+    "FakeTensorMode",
+    "TorchDispatchMode",
+    "UnsupportedTorchError",
+    "backward_input",
+    "can_fake",
+    "check_torch",
+    "cpu_only_fakes",
+    "device_reads",
+    "fake_on_device",
+    "output_structure",
+    "pipeline_backward",
+    "release",
+    "runtime_compat",
+]
 
 # The oldest and newest torch releases (major, minor) the test suite runs on (.ci/run).
 SUPPORTED_TORCH = ((2, 11), (2, 14))
@@ -65,18 +78,18 @@ def can_fake(device_type: str) -> bool:
     return device_type == "cpu" or (device_type == "cuda" and torch.cuda.is_available())
 
 
-class _CpuFakeTensorMode(FakeTensorMode):
-    """Fakes CPU tensors without the no-op CUDA device guard (see can_fake) that FakeTensorMode
-    installs on entry wherever no accelerator is available: a CPU trace needs no CUDA."""
-
-    @property
-    def avoid_device_init(self) -> bool:
-        return False
-
-
-def fake_mode(device_type: str) -> FakeTensorMode:
-    """A FakeTensorMode for faking ``device_type`` (one that can_fake accepts)."""
-    return _CpuFakeTensorMode() if device_type == "cpu" else FakeTensorMode()
+@contextlib.contextmanager
+def cpu_only_fakes() -> Iterator[None]:
+    """Within the block, every FakeTensorMode (torch.export enters several of its own) fakes
+    without preparing a CUDA device: where no accelerator is visible, FakeTensorMode.__enter__
+    otherwise installs the no-op CUDA device guard for good (see can_fake). For traces on the
+    CPU, which need no CUDA. ``avoid_device_init`` is a property on every supported release."""
+    original = FakeTensorMode.__dict__["avoid_device_init"]
+    FakeTensorMode.avoid_device_init = property(lambda mode: False)  # type: ignore[assignment,method-assign]
+    try:
+        yield
+    finally:
+        FakeTensorMode.avoid_device_init = original  # type: ignore[method-assign]
 
 
 def fake_on_device(mode: FakeTensorMode, meta: torch.Tensor, device: torch.device) -> FakeTensor:

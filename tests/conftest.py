@@ -149,6 +149,23 @@ def run_as_pipeline(stages_module: Any, model: torch.nn.Module,
     return output
 
 
+def composed_stages(out: Path, batch_size: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """The emitted stages run one after another on a CPU (no gradients) on a sample batch, and
+    the model file's own model on the same batch (its ``logits`` when it returns an object)."""
+    with emitted_modules(out) as (user_model, stages):
+        torch.manual_seed(0)
+        model = user_model.build_model().eval()
+        inputs = user_model.sample_batch(batch_size)[0]
+        inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+        values: tuple[torch.Tensor, ...] = inputs
+        with torch.no_grad():
+            for stage_class in stages.STAGES:
+                result = stage_class(model)(*values)
+                values = result if isinstance(result, tuple) else (result,)
+            expected = model(*inputs)
+    return values[0], getattr(expected, "logits", expected)
+
+
 def emitted_train(out: Path) -> ModuleType:
     """The emitted train.py as a module (not run), with its model and stages."""
     with emitted_modules(out):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import MODELS, compile_apart, compile_to, emitted_modules, run_forked
+from conftest import MODELS, compile_apart, compile_to, composed_stages, run_forked
 from pipec.fakedevice import short_read, trace_device
 from pipec.loader import load_model_file
 from pipec.trace import trace_model
@@ -17,22 +17,9 @@ from pipec.trace import trace_model
 BRANCHES = MODELS / "device_branch.py"
 
 
-def _composed(out: Path, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The emitted stages run one after another on a CPU, and the model file's own model."""
-    with emitted_modules(out) as (user_model, stages):
-        torch.manual_seed(0)
-        model = user_model.build_model()
-        values: tuple[torch.Tensor, ...] = (x,)
-        with torch.no_grad():
-            for stage_class in stages.STAGES:
-                result = stage_class(model)(*values)
-                values = result if isinstance(result, tuple) else (result,)
-            return values[0], model(x)
-
-
 def test_a_cpu_plan_takes_the_branches_a_cpu_run_takes(tmp_path: Path) -> None:
     compile_apart(BRANCHES, tmp_path / "o", gpus=2, batch_size=8)
-    staged, eager = _composed(tmp_path / "o", torch.randn(4, 16))
+    staged, eager = composed_stages(tmp_path / "o")
     torch.testing.assert_close(staged, eager, rtol=1e-6, atol=1e-6)
     plan = json.loads((tmp_path / "o" / "plan.json").read_text())
     assert plan["traced_on"] == "cpu"

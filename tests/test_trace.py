@@ -14,7 +14,7 @@ import torch
 
 from conftest import MODELS, compile_apart, compile_to, emitted_modules, run_forked
 from pipec.annotate import COMPUTE_OPS
-from pipec.errors import ConfigError, TraceError
+from pipec.errors import ConfigError, ModelFileError, TraceError
 from pipec.loader import load_model_file
 from pipec.trace import trace_model
 
@@ -140,3 +140,48 @@ def test_a_failing_export_prints_one_line_and_keeps_torchs_log_in_a_file(tmp_pat
     log = Path(run.stderr.split("(torch's log: ")[1].split(")")[0])
     assert "control_flow.py:15" in run.stderr and log.read_text().strip()
     log.unlink()
+
+
+def _variant(source: Path, tmp_path: Path, old: str, new: str) -> Path:
+    """A copy of a test model file with one change."""
+    text = source.read_text()
+    assert old in text
+    path = tmp_path / source.name
+    path.write_text(text.replace(old, new))
+    return path
+
+
+def test_an_export_failure_in_library_code_names_its_line_and_the_fix(tmp_path: Path) -> None:
+    """Mixtral's eager experts loop over the experts a batch routes to (data-dependent): the
+    message names transformers' line, the model file's line that led there, and the fix."""
+    model = _variant(MODELS / "hf_mixtral.py", tmp_path, "max_position_embeddings=CONTEXT)",
+                     "max_position_embeddings=CONTEXT, experts_implementation='eager')")
+    with pytest.raises(TraceError, match=r"export: transformers/models/mixtral/modeling_mixtral"
+                                         r"\.py:\d+ \(from .*hf_mixtral\.py:\d+\): torch\.export "
+                                         r"cannot capture the model: .*data-dependent.*torch\.where"
+                                         r" or torch\.cond.*default experts implementation"):
+        trace_model(load_model_file(model))
+
+
+def test_a_model_that_returns_its_cache_is_told_to_turn_it_off(tmp_path: Path) -> None:
+    model = _variant(MODELS / "hf_unwrapped.py", tmp_path, ", use_cache=False)", ")")
+    with pytest.raises(TraceError, match=r"DynamicCache'> in output, which is not a known type; "
+                                         r"the model returns its key/value cache: set "
+                                         r"use_cache=False in its config"):
+        trace_model(load_model_file(model), "export")
+
+
+def test_an_output_type_pytree_cannot_write_is_refused_with_the_fix(tmp_path: Path) -> None:
+    model = tmp_path / "named_output.py"
+    model.write_text(
+        "import collections\nimport torch\nfrom torch import nn\n\n"
+        "Output = collections.namedtuple('Output', 'logits')\n\n\n"
+        "class Model(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+        "        self.head = nn.Linear(4, 3)\n\n    def forward(self, x):\n"
+        "        return Output(self.head(x))\n\n\n"
+        "def build_model():\n    return Model()\n\n\n"
+        "def sample_batch(n):\n    return torch.randn(n, 4), torch.randint(0, 3, (n,))\n")
+    with pytest.raises(ModelFileError, match=r"named_output\.py: forward returns a namedtuple, "
+                                             r"which pipec cannot rebuild for loss_fn .*; return a"
+                                             r" tensor, a tuple or a dict of tensors"):
+        trace_model(load_model_file(model), "export")
