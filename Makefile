@@ -12,6 +12,9 @@ export OMP_NUM_THREADS ?= 1
 # CUDA builds, which run on a CPU (about 4.5 GB a venv; pip caches their wheels).
 OTHER_TORCH ?= 2.11.0 2.14.1
 OTHER_VENVS = $(foreach version,$(OTHER_TORCH),$(CURDIR)/.venv-torch-$(version))
+# timm and torchvision, installed beside torch 2.14 for tests/test_vision_models.py and
+# benchmarks/zoo.py: torchvision 0.29.1 loads there (0.28 does not beside the CPU 2.13 wheel).
+VISION = torchvision==0.29.1 timm==1.0.31
 
 .PHONY: venv demo test lint unit test-torch clean
 
@@ -46,6 +49,7 @@ test: lint unit
 test-torch: venv
 	set -e; for version in $(OTHER_TORCH); do \
 		$(MAKE) --no-print-directory venv VENV=.venv-torch-$$version TORCH=torch==$$version; \
+		case $$version in 2.14.*) .venv-torch-$$version/bin/python -m pip install -q $(VISION);; esac; \
 		.venv-torch-$$version/bin/python -m pytest -q -p no:cacheprovider; \
 	done
 	PIPEC_TORCH_VENVS="$(OTHER_VENVS)" $(BIN)/python -m pytest -q tests/test_torch_versions.py

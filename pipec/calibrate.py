@@ -35,7 +35,12 @@ from pipec.costmodel import Calibration, Fit, NodeTiming
 from pipec.errors import ConfigError
 from pipec.heap import set_training_heap
 from pipec.loader import ModelSpec, load_model_file
-from pipec.normalize import NormRewrite, group_norm_rewrites, to_group_norm
+from pipec.normalize import (
+    NormRewrite,
+    group_norm_rewrites,
+    to_group_norm,
+    with_functional_group_norms,
+)
 from pipec.normtimes import kept_norm_timings
 from pipec.probe import side_by_side
 from pipec.splittimes import split_backward_timing
@@ -88,6 +93,7 @@ def profile_model(model: Path, batch_size: int, device: str = "cpu", repeats: in
     if norm == "group":
         rewrites = group_norm_rewrites(traced, graph)
         _to_group_norms(real, rewrites)
+        real = with_functional_group_norms(real, rewrites)
         # A data-parallel plan keeps BatchNorm: what it pays beyond the GroupNorm timed here.
         kept_norm = kept_norm_timings(graph, rewrites, sizes, target, repeats)
     real = real.to(target).train()
@@ -168,7 +174,7 @@ def _zeros(meta: torch.Tensor) -> torch.Tensor:
 def _to_group_norms(real: fx.GraphModule, rewrites: tuple[NormRewrite, ...]) -> None:
     """Swap each BatchNorm for the GroupNorm `--norm auto` gives a pipelined plan, built as the
     emitted stages build it."""
-    for rewrite in rewrites:
+    for rewrite in (r for r in rewrites if not r.node):
         assert rewrite.groups is not None  # a GroupNorm rewrite always has its group count
         parent, _, name = rewrite.module.rpartition(".")
         setattr(real.get_submodule(parent), name,

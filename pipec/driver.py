@@ -14,7 +14,7 @@ from pipec.errors import ConfigError
 from pipec.hardware import DEFAULT, Device, load_devices
 from pipec.loader import ModelSpec, load_model_file
 from pipec.measured import MEASURE_CHOICES, measure_locally
-from pipec.normalize import plan_norms
+from pipec.normalize import plan_norms, with_functional_group_norms
 from pipec.onnx_export import export_stages, require_onnx
 from pipec.planner import Plan, PlanRequest, check, plan
 from pipec.split import split
@@ -109,7 +109,9 @@ def compile_model(options: CompileOptions) -> tuple[Plan, Emitted]:
     spec, traced, graph = analyzed.spec, analyzed.traced, analyzed.graph
     chosen = plan(graph, analyzed.request)
     norms = plan_norms(traced, graph, plan=chosen, choice=options.norm, groups=options.norm_groups)
-    staged = split(traced, graph, chosen, user_module=spec.module.__name__)
+    rewritten = with_functional_group_norms(traced.graph_module, norms.rewrites)
+    staged = split(replace(traced, graph_module=rewritten), graph, chosen,
+                   user_module=spec.module.__name__)
     emitted = emit(spec, traced, chosen, norms, staged, out=options.out, force=options.force,
                    finish=export_stages if options.onnx else None)
     log.info("wrote %s: %d stage(s), micro-batch %d, %s", emitted.out, chosen.pp,

@@ -177,8 +177,10 @@ def _stage_context(plan: Plan, norms: NormPlan, staged: Staged) -> dict[str, Any
         "recompute": stage.recompute,
         "copy_outputs": plan.schedule in ZERO_BUBBLE and stage.index < len(plan.stages) - 1,
     } for code, stage in zip(staged.stages, plan.stages, strict=True)]
-    return {"stages": stages, "imports": staged.imports, "norm_rewrites": norms.rewrites,
-            "tied": staged.tied, "group_norm": norms.grouped,
+    # A batch norm computed inside a module's forward is already a group_norm in the graph.
+    swapped = tuple(r for r in norms.rewrites if not r.node)
+    return {"stages": stages, "imports": staged.imports, "norm_rewrites": swapped,
+            "tied": staged.tied, "group_norm": any(r.to == "GroupNorm" for r in swapped),
             "sync_batch_norm": norms.synchronized, "to_group_norm": to_group_norm_source()}
 
 

@@ -16,14 +16,16 @@ source, and ``pipec profile`` calls it, so both build the same layer.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
+from torch import fx, nn
+from torch.nn import functional as F
 
 from pipec.costgraph import CostGraph
 from pipec.errors import ConfigError
@@ -49,6 +51,10 @@ class NormRewrite:
     to: str
     groups: int | None  # GroupNorm's group count; None for SyncBatchNorm
     channels: int
+    # The graph node of a batch norm the model computes inside its own forward (timm's
+    # BatchNormAct2d calls F.batch_norm, then its activation): rewritten in the graph, not by
+    # swapping the module. "" for a BatchNorm module.
+    node: str = ""
 
 
 @dataclass(frozen=True)
@@ -79,6 +85,12 @@ def plan_norms(traced: Traced, graph: CostGraph, *, plan: Plan, choice: str = "a
                           f"{', '.join(NORM_CHOICES)}")
     batch_norms = _batch_norms(traced)
     applied = resolve_norm(choice, plan.pp, plan.dp)
+    if applied == "sync" and _functional_batch_norms(traced):
+        log.warning("%d batch norm(s) computed inside a module's forward (%s) stay BatchNorm: "
+                    "each of the %d replicas normalizes over its own micro-batch",
+                    len(_functional_batch_norms(traced)),
+                    ", ".join(module for module, _ in _functional_batch_norms(traced)[:3]),
+                    plan.dp)
     if applied in ("keep", "sync") and plan.pp > 1 and batch_norms:
         log.warning("--norm %s with %d stages: each BatchNorm normalizes over one micro-batch "
                     "of %d samples at a time%s", choice, plan.pp, plan.micro_batch,
@@ -96,8 +108,37 @@ def group_norm_rewrites(traced: Traced, graph: CostGraph,
     """Every BatchNorm's GroupNorm, whatever the parallelism: the rewrites of ``--norm group``
     (and of ``auto`` on a pipeline), with the group counts chosen from the annotated shapes."""
     spatial = _spatial_sizes(graph)
-    return tuple(_group_norm_rewrite(name, m, groups, spatial.get(name, 1))
-                 for name, m in _batch_norms(traced))
+    modules = tuple(_group_norm_rewrite(name, m, groups, spatial.get(name, 1))
+                    for name, m in _batch_norms(traced))
+    shapes = {n.name: n.shape for n in graph.nodes}
+    functional = tuple(
+        replace(_group_norm_rewrite(module, nn.BatchNorm1d(int(node.meta["channels"])), groups,
+                                    math.prod(shapes.get(node.name, ())[2:])),
+                from_="F.batch_norm", node=node.name)
+        for module, node in _functional_batch_norms(traced))
+    return modules + functional
+
+
+def with_functional_group_norms(graph_module: fx.GraphModule,
+                                rewrites: tuple[NormRewrite, ...]) -> fx.GraphModule:
+    """A copy of ``graph_module`` whose batch norms computed inside a module's forward are the
+    GroupNorms ``rewrites`` chose (the same affine weight and bias, no running statistics)."""
+    chosen = {r.node: r for r in rewrites if r.node and r.to == "GroupNorm"}
+    if not chosen:
+        return graph_module
+    copied = fx.GraphModule(graph_module, copy.deepcopy(graph_module.graph))
+    for node in copied.graph.nodes:
+        if node.name in chosen:
+            arguments = inspect.signature(F.batch_norm).bind(*node.args, **node.kwargs).arguments
+            node.target = F.group_norm
+            node.args = (arguments["input"], chosen[node.name].groups)
+            node.kwargs = {"weight": arguments.get("weight"), "bias": arguments.get("bias"),
+                           "eps": arguments.get("eps", 1e-5)}
+    for node in list(copied.graph.nodes):  # the running statistics, now unread
+        if node.op == "get_attr" and not node.users:
+            copied.graph.erase_node(node)
+    copied.recompile()
+    return copied
 
 
 def to_group_norm(batch_norm: nn.Module, groups: int) -> nn.GroupNorm:
@@ -128,6 +169,24 @@ def group_count(channels: int, spatial: int) -> int:
 def _batch_norms(traced: Traced) -> list[tuple[str, nn.Module]]:
     return [(name, m) for name, m in traced.graph_module.named_modules()
             if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+
+
+def _functional_batch_norms(traced: Traced) -> list[tuple[str, fx.Node]]:
+    """Training-mode ``F.batch_norm`` calls in an fx graph (a BatchNorm subclass with its own
+    forward, which fx traces through), each with the module that owns its running mean; each
+    node's ``meta["channels"]`` is that buffer's length."""
+    found = []
+    for node in traced.graph_module.graph.nodes:
+        if node.op != "call_function" or node.target is not F.batch_norm:
+            continue
+        arguments = inspect.signature(F.batch_norm).bind(*node.args, **node.kwargs).arguments
+        mean = arguments.get("running_mean")
+        if not arguments.get("training", False) or not isinstance(mean, fx.Node) \
+                or mean.op != "get_attr":
+            continue
+        node.meta["channels"] = traced.graph_module.get_buffer(str(mean.target)).shape[0]
+        found.append((str(mean.target).rpartition(".")[0], node))
+    return found
 
 
 def _spatial_sizes(graph: CostGraph) -> dict[str, int]:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import SAMPLES, compile_to, emitted_modules
+from conftest import MODELS, SAMPLES, compile_to, emitted_modules, run_forked
 from pipec.annotate import annotate
 from pipec.errors import ConfigError
 from pipec.loader import load_model_file
@@ -212,3 +212,31 @@ def test_group_norm_rewrites_are_those_of_a_pipelined_plan(tmp_path: Path) -> No
     rewrites = group_norm_rewrites(traced, annotate(traced, spec))
     assert [{"module": r.module, "from": r.from_, "to": r.to, "groups": r.groups}
             for r in rewrites] == planned
+
+
+def test_a_batch_norm_inside_a_modules_forward_becomes_a_group_norm_in_the_graph(
+        tmp_path: Path) -> None:
+    """timm's BatchNormAct2d calls F.batch_norm in its own forward, which fx traces through:
+    a pipelined plan rewrites the call in the graph (its activation stays), and 2 stages train
+    as one process with the same GroupNorms."""
+    model = MODELS / "bn_act.py"
+    compile_to(model, tmp_path / "one", gpus=1, batch_size=16, norm="group")
+    compile_to(model, tmp_path / "two", gpus=2, batch_size=16)
+    plan = json.loads((tmp_path / "two" / "plan.json").read_text())
+    assert plan["norm_rewrites"] == [
+        {"module": "bn1", "from": "F.batch_norm", "to": "GroupNorm", "groups": 16},
+        {"module": "bn2", "from": "F.batch_norm", "to": "GroupNorm", "groups": 32}]
+    source = (tmp_path / "two" / "stages.py").read_text()
+    assert source.count("functional.group_norm(") == 2 and "functional.batch_norm" not in source
+    assert source.count("torch.nn.functional.relu(") == 2
+    reference = run_forked(tmp_path / "one", 1, "--steps", "3", "--seed", "3")
+    assert run_forked(tmp_path / "two", 2, "--steps", "3", "--seed", "3") == pytest.approx(
+        reference, rel=1e-5)
+
+
+def test_a_batch_norm_inside_a_modules_forward_stays_under_data_parallelism(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    compile_to(MODELS / "bn_act.py", tmp_path / "o", gpus=2, pp=1, batch_size=16)
+    assert "batch_norm(" in (tmp_path / "o" / "stages.py").read_text()
+    assert "2 batch norm(s) computed inside a module's forward (bn1, bn2) stay BatchNorm" in \
+        caplog.text
