@@ -28,7 +28,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tabulate import tabulate
-
 from zoo_models import timm_model, write
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -131,7 +130,7 @@ LOSSES = {
 }
 TOKEN_LOSS = "return F.cross_entropy(output.logits.flatten(0, 1), targets.flatten())"
 
-HF_SOURCE = '''"""{name} from Hugging Face transformers ({cls}), random weights from a shrunk config."""
+HF_SOURCE = '''"""{name} from Hugging Face transformers ({cls}), random weights, a shrunk config."""
 
 import torch
 import transformers
