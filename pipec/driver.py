@@ -69,17 +69,18 @@ def analyze(options: CompileOptions) -> Analyzed:
     graph = annotate(traced, spec, autocast_device=_device_type(request.devices),
                      bf16_memory=options.precision == "bf16")
     check(graph, request)  # the user's mistakes before the (slow, first-time) measurement
-    return Analyzed(spec, traced, graph, _bind_calibration(_measured(request, options), graph))
+    return Analyzed(spec, traced, graph,
+                    _bind_calibration(_measured(request, options, graph), graph))
 
 
-def _measured(request: PlanRequest, options: CompileOptions) -> PlanRequest:
+def _measured(request: PlanRequest, options: CompileOptions, graph: CostGraph) -> PlanRequest:
     """Times measured on this machine (pipec.measured) unless a calibration file was given, the
     user said --measure off, or the devices are another kind (their preset stands)."""
     if options.measure == "off" or request.calibration is not None:
         return request
     local = measure_locally(options.model, request.devices, options.gpus // options.nodes,
                             options.batch_size, options.precision, options.norm,
-                            options.frontend)
+                            options.frontend, graph)
     if local is None:
         return request
     return replace(request, calibration=local.calibration, devices=local.devices)

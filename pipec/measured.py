@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from pipec.annotate import CostGraph
 from pipec.calibrate import PROFILE_SIZES, profile_model
 from pipec.calibrationfile import load_calibration, save_calibration
 from pipec.costmodel import Calibration
@@ -31,6 +32,7 @@ from pipec.errors import ConfigError, PipecError
 from pipec.hardware import Device
 from pipec.probe import RuntimeFigures, probe_runtime
 from pipec.runtimefit import blocking_fit, data_parallel_fit, runtime_action_fit
+from pipec.units import gib
 
 log = logging.getLogger(__name__)
 
@@ -74,10 +76,11 @@ class Local:
 
 
 def measure_locally(model: Path, devices: tuple[Device, ...], processes_per_node: int,
-                    batch_size: int, precision: str, norm: str, frontend: str = "auto"
-                    ) -> Local | None:
+                    batch_size: int, precision: str, norm: str, frontend: str = "auto",
+                    graph: CostGraph | None = None) -> Local | None:
     """``model`` measured here, from the cache or now; None when the devices are not this
-    machine's kind (the preset's roofline is used, as before)."""
+    machine's kind, or when measuring would not fit this machine's free memory (``graph``
+    says how much it needs): the preset's roofline is used, and a warning says why."""
     device_type = _local_device_type(devices)
     if device_type is None:
         return None
@@ -86,7 +89,7 @@ def measure_locally(model: Path, devices: tuple[Device, ...], processes_per_node
                     _max_micro_batch(batch_size), precision,
                     "keep" if norm in ("keep", "sync") else "group",
                     processes_per_node if device_type == "cpu" else 1, frontend)
-    calibration = _compute_times(model, target)
+    calibration = _compute_times(model, target, graph)
     if calibration is None:
         return None
     runtime = _runtime(target, processes_per_node)
@@ -98,12 +101,15 @@ def measure_locally(model: Path, devices: tuple[Device, ...], processes_per_node
                  tuple(_with_runtime(d, runtime) for d in devices))
 
 
-def _compute_times(model: Path, target: Target) -> Calibration | None:
+def _compute_times(model: Path, target: Target, graph: CostGraph | None = None
+                   ) -> Calibration | None:
     path = cache_dir() / f"{model.stem}-{cache_key(model, target)[:20]}.json"
     cached = _read(path)
     if cached is not None:
         log.debug("compute times of %s on this machine: read from the cache %s", model, path)
         return replace(cached, source=_source(target, path, cached.contention))
+    if graph is not None and not _fits_here(model, graph, target):
+        return None
     try:
         measured = _measure(model, target)
     except PipecError as exc:
@@ -233,6 +239,42 @@ def _measure(model: Path, target: Target) -> Calibration:
                                        target.processes, target.frontend)
     log.info("measured %d nodes in %.1f s", len(calibration.nodes), time.perf_counter() - started)
     return calibration
+
+
+def profile_bytes(graph: CostGraph, micro_batch: int) -> float:
+    """What measuring holds at its peak: the whole model's weights, gradients and buffers, and
+    every node's saved activations at ``micro_batch`` (its passes run the model whole)."""
+    weights = sum(n.param_bytes for n in graph.nodes)
+    return (2 * weights + sum(n.buffer_bytes for n in graph.nodes)
+            + sum(n.saved_bytes.at(micro_batch) for n in graph.nodes))
+
+
+def free_bytes(device_type: str) -> float:
+    """Memory free for a new allocation: the GPU's, or the host's MemAvailable."""
+    if device_type == "cuda":
+        return float(torch.cuda.mem_get_info()[0])
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        line = next(line for line in Path("/proc/meminfo").read_text().splitlines()
+                    if line.startswith("MemAvailable:"))
+        return float(line.split()[1]) * 1024
+    return float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+# Measuring starts only when its peak fits in this share of the free memory: the rest is for
+# the process itself, the allocator's slack and what the host runs beside it.
+PROFILE_MEMORY_SHARE = 0.7
+
+
+def _fits_here(model: Path, graph: CostGraph, target: Target) -> bool:
+    needed, free = profile_bytes(graph, target.max_micro_batch), free_bytes(target.device_type)
+    if needed <= PROFILE_MEMORY_SHARE * free:
+        return True
+    log.warning("not measuring %s here: its passes would hold the whole model, %s with its "
+                "gradients and activations at micro-batch %d, and this %s has %s free; planning "
+                "from the preset (--measure off says so without checking)", model, gib(needed),
+                target.max_micro_batch, "GPU" if target.device_type == "cuda" else "host",
+                gib(free))
+    return False
 
 
 @contextlib.contextmanager

@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from conftest import SAMPLES, compile_to
+from conftest import ROOT, SAMPLES, compile_to
 from pipec.calibrate import profile_model
 from pipec.calibrationfile import save_calibration
-from pipec.errors import ConfigError
+from pipec.errors import ConfigError, InfeasibleError
 from pipec.loader import load_model_file
 from pipec.measured import Target, cache_key, training_threads
 from pipec.planner import Plan
@@ -182,3 +183,20 @@ def test_bf16_times_run_under_autocast() -> None:
     assert len(calibration.nodes) == 11 and all(s.fwd_s >= 0 for s in samples)
     with pytest.raises(ConfigError, match="--precision 'fp16'"):
         profile_model(MLP, 2, repeats=1, precision="fp16")
+
+
+def test_a_model_too_big_to_measure_here_is_planned_from_the_preset(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+        ) -> None:
+    """LLaMA-2-7B's shape, built on meta: measuring would hold it whole (hundreds of GiB with
+    gradients and activations), which this host has not; the compile says so and plans from
+    the preset instead of being killed for memory."""
+    monkeypatch.setenv("PIPEC_CACHE_DIR", str(tmp_path / "cache"))
+    caplog.set_level(logging.WARNING)
+    with pytest.raises(InfeasibleError, match=r"no split fits: .* usable on cpu"):
+        compile_to(ROOT / "benchmarks" / "zoo" / "llama2_7b.py", tmp_path / "o", gpus=8,
+                   batch_size=8, measure="auto", pp=None)
+    assert re.search(r"not measuring .*llama2_7b\.py here: its passes would hold the whole "
+                     r"model, [\d.]+ GiB .* and this host has [\d.]+ GiB free; planning from "
+                     r"the preset", caplog.text)
+    assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").iterdir())
