@@ -43,14 +43,15 @@ class FakeDevice:
 
     device: torch.device
     mode: FakeTensorMode | None
-    originals: dict[int, torch.Tensor] = field(default_factory=dict)  # id(fake) -> meta
+    # id(fake) -> (fake, its meta original): holding the fake keeps its id from being reused.
+    originals: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     reads: list[str] = field(default_factory=list)
 
     def fake(self, meta: torch.Tensor) -> torch.Tensor:
         if self.mode is None:
             return meta
         fake = fake_on_device(self.mode, meta, self.device)
-        self.originals[id(fake)] = meta
+        self.originals[id(fake)] = (fake, meta)
         return fake
 
 
@@ -92,10 +93,10 @@ def _swap(model: nn.Module, faked: FakeDevice
 def _fake_like(tensor: torch.Tensor, faked: FakeDevice) -> torch.Tensor:
     fake = faked.fake(tensor.detach())
     if not isinstance(tensor, nn.Parameter):
-        faked.originals[id(fake)] = tensor
+        faked.originals[id(fake)] = (fake, tensor)
         return fake
     parameter = nn.Parameter(fake, requires_grad=tensor.requires_grad)
-    faked.originals[id(parameter)] = tensor
+    faked.originals[id(parameter)] = (parameter, tensor)
     return parameter
 
 
@@ -119,8 +120,8 @@ def to_meta(graph_module: fx.GraphModule, faked: FakeDevice) -> None:
 
 
 def _meta_of(tensor: torch.Tensor, faked: FakeDevice) -> torch.Tensor:
-    original = faked.originals.get(id(tensor))
-    if original is not None:
+    fake, original = faked.originals.get(id(tensor), (None, None))
+    if fake is tensor and original is not None:
         return original
     meta = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
     return nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
