@@ -48,6 +48,8 @@ def _write(path: Path, data: bytes) -> None:
         handle.write(data)
         handle.flush()
         os.fsync(handle.fileno())
+    if data.startswith(b"#!"):  # the launch scripts
+        os.chmod(path, 0o755)
 
 
 def _replace(staging: Path, out: Path) -> None:
