@@ -78,6 +78,7 @@ def render(spec: ModelSpec, traced: Traced, plan: Plan, norms: NormPlan,
         "metrics.py": _render("metrics.py.j2", context),
         "data.py": _render("data.py.j2", context),
         "torch_compat.py": _render("torch_compat.py.j2", context),
+        "logs.py": _render("logs.py.j2", context),
         "launch.sh": _render("launch.sh.j2", context),
         "launch.slurm": _render("launch.slurm.j2", context),
         "report.md": _render("report.md.j2", {**context, **_report_context(plan, norms)}),
@@ -101,6 +102,10 @@ def _context(spec: ModelSpec, traced: Traced, plan: Plan, norms: NormPlan,
     return {
         "version": __version__, "model_file": spec.path.name, "pp": plan.pp, "dp": plan.dp,
         "job_name": spec.path.stem, "gpus_per_node": request.gpus // request.nodes,
+        "flops_per_sample": sum(s.fwd_flops + s.bwd_flops for s in plan.stages)
+        / plan.micro_batch,
+        "peak_flops": sum(d.bf16_flops if request.training.precision == "bf16" else d.fp32_flops
+                          for d in request.devices),
         "gpu": any(d.device_type == "cuda" for d in request.devices),
         "num_stages": len(plan.stages), "virtual_stages": plan.virtual_stages,
         "stage_devices": [s.device for s in plan.stages],

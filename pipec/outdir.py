@@ -66,7 +66,7 @@ def _replace(staging: Path, out: Path) -> None:
 
 
 _EMITTED = ("model", "stages", "weights", "checkpoints", "metrics", "data", "gradients",
-            "pipeline")
+            "pipeline", "logs", "torch_compat")
 
 
 @contextlib.contextmanager
