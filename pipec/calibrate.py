@@ -46,7 +46,7 @@ from pipec.probe import side_by_side
 from pipec.splittimes import split_backward_timing
 from pipec.steptimes import data_seconds, loss_timing, optimizer_seconds
 from pipec.tensors import flat_tensors
-from pipec.trace import batch_inputs, model_loss, trace_model
+from pipec.trace import Traced, batch_inputs, model_loss, trace_model
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ def profile_model(model: Path, batch_size: int, device: str = "cpu", repeats: in
     spec = load_model_file(model)
     traced = trace_model(spec, frontend, target.type)
     graph = annotate(traced, spec, bf16_memory=False)
-    real = _with_real_tensors(traced.graph_module, spec, target)
+    real = _with_real_tensors(traced, spec, target)
     sizes = [s for s in PROFILE_SIZES if s <= batch_size] or [batch_size]
     kept_norm: tuple[NodeTiming, ...] = ()
     if norm == "group":
@@ -130,19 +130,19 @@ class _Autocast(nn.Module):
             return self.module(*inputs)
 
 
-def _with_real_tensors(traced: fx.GraphModule, spec: ModelSpec, device: torch.device
+def _with_real_tensors(traced: Traced, spec: ModelSpec, device: torch.device
                        ) -> fx.GraphModule:
     """A copy of the traced graph (either front end's) holding the model's weights and
-    buffers as ``build_model`` makes them under seed 0, found by name; a constant the trace
-    made (an exported graph's) is zeros, which times the same. Tensors the graph makes on the
-    trace's meta device are made on ``device``."""
+    buffers as ``build_model`` makes them under seed 0, found by name, and the constants the
+    trace made (an exported graph's) with their values (zeros where unknown: they time the
+    same). Tensors the graph makes on the trace's meta device are made on ``device``."""
     torch.manual_seed(0)
     model = spec.build_model()
     named = {**dict(model.named_parameters(remove_duplicate=False)),
-             **dict(model.named_buffers(remove_duplicate=False))}
+             **dict(model.named_buffers(remove_duplicate=False)), **dict(traced.constants)}
     with warnings.catch_warnings():  # copying an exported graph's pytree specs warns
         warnings.simplefilter("ignore", FutureWarning)
-        real = copy.deepcopy(traced)
+        real = copy.deepcopy(traced.graph_module)
     for prefix, module in real.named_modules():
         for slot in ("_parameters", "_buffers"):
             tensors = getattr(module, slot)
@@ -151,7 +151,7 @@ def _with_real_tensors(traced: fx.GraphModule, spec: ModelSpec, device: torch.de
                     tensors[name] = named.get(f"{prefix}.{name}".lstrip("."), _zeros(tensor))
         for name, value in list(vars(module).items()):
             if isinstance(value, torch.Tensor):
-                setattr(module, name, _zeros(value))
+                setattr(module, name, named.get(f"{prefix}.{name}".lstrip("."), _zeros(value)))
     # An exported graph's code takes and returns pytrees; this one is called with the inputs.
     real.graph.set_codegen(fx.graph.CodeGen())
     on_device = functools.partial(_meta_to, device)

@@ -15,9 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import torch
 
 from pipec import __version__
 from pipec.costmodel import usable_memory
+from pipec.errors import ModelFileError
 from pipec.hardware import action_s
 from pipec.loader import ModelSpec
 from pipec.normalize import NormPlan, to_group_norm_source
@@ -70,7 +72,8 @@ def render(spec: ModelSpec, traced: Traced, plan: Plan, norms: NormPlan,
     return {
         "model.py": spec.source,
         "train.py": _render("train.py.j2", context),
-        "stages.py": _render("stages.py.j2", {**context, **_stage_context(plan, norms, staged)}),
+        "stages.py": _render("stages.py.j2", {**context, **_stage_context(plan, norms, staged),
+                                              "constants": _constants(traced, staged)}),
         "weights.py": _render("weights.py.j2", context),
         "checkpoints.py": _render("checkpoints.py.j2", context),
         "gradients.py": _render("gradients.py.j2", context),
@@ -205,6 +208,26 @@ def _report_context(plan: Plan, norms: NormPlan) -> dict[str, Any]:
         "predicted_peak": gib(max(plan.device_memory_bytes)),
         "device_memory": gib(min(usable_memory(d) for d in plan.request.devices)),
     }
+
+
+# A constant the traced code made is written into stages.py as a literal up to this many values.
+MAX_CONSTANT_VALUES = 4096
+
+
+def _constants(traced: Traced, staged: Staged) -> list[tuple[str, str]]:
+    """(path, literal) of each constant the stages use that the model does not hold."""
+    used = {path for code in staged.stages for path in code.module_paths}
+    return [(path, _tensor_literal(path, value)) for path, value in traced.constants
+            if path in used]
+
+
+def _tensor_literal(path: str, value: torch.Tensor) -> str:
+    if value.numel() > MAX_CONSTANT_VALUES:
+        raise ModelFileError(
+            f"the model's forward makes a tensor of {value.numel():,} values from Python data "
+            f"({path}), which the stages would carry as a literal; make it once in __init__ "
+            "with self.register_buffer, so that they take it from the model")
+    return f"torch.tensor({value.tolist()!r}, dtype={value.dtype})"
 
 
 def _specs_literal(specs: tuple[Boundary, ...]) -> str:

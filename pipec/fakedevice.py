@@ -46,6 +46,9 @@ class FakeDevice:
     # id(fake) -> (fake, its meta original): holding the fake keeps its id from being reused.
     originals: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     reads: list[str] = field(default_factory=list)
+    # Tensors the traced code made from Python values (torch.tensor(8.0)), which torch.export
+    # lifts into constants, by their path in the graph module: their values, for the stages.
+    constants: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def fake(self, meta: torch.Tensor) -> torch.Tensor:
         if self.mode is None:
@@ -103,20 +106,29 @@ def _fake_like(tensor: torch.Tensor, faked: FakeDevice) -> torch.Tensor:
 def to_meta(graph_module: fx.GraphModule, faked: FakeDevice) -> None:
     """Every fake tensor ``graph_module`` holds back to its meta original (a fresh meta tensor
     for a constant the trace made), and every use of the faked device in the graph to meta."""
-    if faked.mode is None:
-        return
-    for module in graph_module.modules():
+    for prefix, module in graph_module.named_modules():
         for slot in ("_parameters", "_buffers"):
             for name, tensor in getattr(module, slot).items():
                 if isinstance(tensor, FakeTensor):
                     getattr(module, slot)[name] = _meta_of(tensor, faked)
         for name, value in list(vars(module).items()):
-            if isinstance(value, FakeTensor):
+            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+                _keep_constant(f"{prefix}.{name}".lstrip("."), value, faked)
                 setattr(module, name, _meta_of(value, faked))
+    if faked.mode is None:
+        return
     for node in graph_module.graph.nodes:
         node.args = fx.node.map_aggregate(node.args, lambda a: _meta_device(a, faked.device))
         node.kwargs = fx.node.map_aggregate(node.kwargs, lambda a: _meta_device(a, faked.device))
     graph_module.recompile()
+
+
+def _keep_constant(path: str, tensor: torch.Tensor, faked: FakeDevice) -> None:
+    """The value of a constant the traced code made (torch.export lifts it into a plain
+    attribute): a real tensor, or a fake one that knows its value."""
+    value = getattr(tensor, "constant", None) if isinstance(tensor, FakeTensor) else tensor
+    if isinstance(value, torch.Tensor) and value.device.type != "meta":
+        faked.constants[path] = value.detach().clone()
 
 
 def _meta_of(tensor: torch.Tensor, faked: FakeDevice) -> torch.Tensor:

@@ -36,6 +36,8 @@ class Traced:
     # torch's pytree JSON of forward's output (a ModelOutput, a dict ...) for loss_fn; None
     # when it is a tensor or a tuple of tensors, which the last stage returns as they are.
     output_structure: str | None = None
+    # Constants the traced code made (torch.export's lifted tensors), by path: their values.
+    constants: tuple[tuple[str, torch.Tensor], ...] = ()
 
 
 FRONTENDS = ("auto", "fx", "export")
@@ -86,7 +88,7 @@ def _symbolic_trace(spec: ModelSpec, model: nn.Module, device: str) -> Traced:
 def _traced(graph_module: fx.GraphModule, frontend: str, faked: FakeDevice) -> Traced:
     to_meta(graph_module, faked)
     return Traced(graph_module, _input_names(graph_module), frontend, faked.device.type,
-                  tuple(faked.reads))
+                  tuple(faked.reads), constants=tuple(sorted(faked.constants.items())))
 
 
 def _defaults_not_supplied(model: nn.Module, supplied: int) -> dict[str, Any]:

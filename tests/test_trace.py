@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import MODELS, compile_apart, compile_to, emitted_modules, run_forked
+from conftest import MODELS, compile_apart, compile_to, composed_stages, emitted_modules, run_forked
 from pipec.annotate import COMPUTE_OPS
 from pipec.errors import ConfigError, ModelFileError, TraceError
 from pipec.loader import load_model_file
@@ -185,3 +186,19 @@ def test_an_output_type_pytree_cannot_write_is_refused_with_the_fix(tmp_path: Pa
                                              r"which pipec cannot rebuild for loss_fn .*; return a"
                                              r" tensor, a tuple or a dict of tensors"):
         trace_model(load_model_file(model), "export")
+
+
+def test_a_constant_the_forward_makes_travels_in_stages_py(tmp_path: Path) -> None:
+    """torch.export lifts torch.tensor(16.0) into a constant the model does not hold: stages.py
+    carries its value, and 2 stages compose to the model and train as one process."""
+    model = MODELS / "made_constant.py"
+    compile_apart(model, tmp_path / "one", gpus=1, batch_size=16, frontend="export")
+    compile_apart(model, tmp_path / "two", gpus=2, batch_size=16, frontend="export")
+    source = (tmp_path / "two" / "stages.py").read_text()
+    assert re.search(r'"lifted_tensor_0": torch\.tensor\(16(\.0)?, dtype=torch\.float32\)',
+                     source), source[:3000]
+    staged, eager = composed_stages(tmp_path / "two")
+    torch.testing.assert_close(staged, eager)
+    reference = run_forked(tmp_path / "one", 1, "--steps", "3", "--seed", "3")
+    assert run_forked(tmp_path / "two", 2, "--steps", "3", "--seed", "3") == pytest.approx(
+        reference, rel=1e-6)
