@@ -211,7 +211,10 @@ def hugging_face_source(name: str, cls: str, task: str) -> str:
     import transformers
 
     model_class = getattr(transformers, cls)
-    config = shrunk_config(model_class.config_class, OVERRIDES.get(cls, {}))
+    # A sequence classifier reads the last token before the padding: it needs a pad token id
+    # (none of the sampled tokens, which start at 3).
+    task_fields = {"pad_token_id": 0} if task == "classify" else {}
+    config = shrunk_config(model_class.config_class, {**task_fields, **OVERRIDES.get(cls, {})})
     names = TASK_INPUTS[task]
     return HF_SOURCE.format(
         name=name, cls=cls, config_cls=model_class.config_class.__name__, vocab=VOCAB,

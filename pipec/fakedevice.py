@@ -117,10 +117,13 @@ def to_meta(graph_module: fx.GraphModule, faked: FakeDevice) -> None:
                 setattr(module, name, _meta_of(value, faked))
     if faked.mode is None:
         return
-    for node in graph_module.graph.nodes:
-        node.args = fx.node.map_aggregate(node.args, lambda a: _meta_device(a, faked.device))
-        node.kwargs = fx.node.map_aggregate(node.kwargs, lambda a: _meta_device(a, faked.device))
-    graph_module.recompile()
+    # Every graph: torch.export puts a region such as torch.no_grad() in a submodule's graph.
+    for graph in (m for m in graph_module.modules() if isinstance(m, fx.GraphModule)):
+        for node in graph.graph.nodes:
+            node.args = fx.node.map_aggregate(node.args, lambda a: _meta_device(a, faked.device))
+            node.kwargs = fx.node.map_aggregate(
+                node.kwargs, lambda a: _meta_device(a, faked.device))
+        graph.recompile()
 
 
 def _keep_constant(path: str, tensor: torch.Tensor, faked: FakeDevice) -> None:

@@ -162,6 +162,8 @@ class _MeasuringInterpreter(fx.Interpreter):
             input_ids = [self._canonical(storage_id(t)) for t in inputs]
             storage = self._canonical(storage_id(value))
             source = input_ids.index(storage) if storage in input_ids else None
+            if source is not None and inputs[source].dtype != value.dtype:
+                return _RUN  # a view in another dtype (aten.real of a complex tensor): run it
             return _TensorTemplate(tuple(value.shape), value.stride(), value.storage_offset(),
                                    value.dtype, value.requires_grad, source)
         if type(value) in (tuple, list) and flat_tensors(value):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import operator
 import os
 import sys
 import tempfile
@@ -137,6 +138,7 @@ def _export(spec: ModelSpec, model: nn.Module, device: str) -> Traced:
     if not isinstance(graph_module, fx.GraphModule):
         raise TraceError(f"{spec.path}: torch.export returned no graph module")
     _drop_runtime_checks(graph_module)
+    _inline_grad_regions(graph_module)
     traced = _traced(graph_module, "export", faked)
     return replace(traced, output_structure=_output_structure(spec, program))
 
@@ -222,6 +224,60 @@ def _drop_runtime_checks(graph_module: fx.GraphModule) -> None:
     if isinstance(output.args[0], tuple | list) and len(output.args[0]) == 1:
         output.args = (output.args[0][0],)
     graph_module.recompile()
+
+
+def _inline_grad_regions(graph_module: fx.GraphModule) -> None:
+    """torch.export puts a ``torch.no_grad()`` region (M2M100's positions) in a submodule,
+    called by ``wrap_with_set_grad_enabled``: its nodes go into the main graph, each value it
+    returns detached (the same values, and no gradient flows back through them), so that the
+    stages need no submodule of the graph's own."""
+    region = torch.ops.higher_order.wrap_with_set_grad_enabled
+    for node in [n for n in graph_module.graph.nodes if n.target is region]:
+        enabled, submodule, *operands = node.args
+        body = getattr(graph_module, submodule.target)
+        with graph_module.graph.inserting_before(node):
+            returned = _copy_region(graph_module.graph, body, operands, bool(enabled))
+        for user in list(node.users):
+            if user.target is operator.getitem:
+                user.replace_all_uses_with(returned[user.args[1]])
+                graph_module.graph.erase_node(user)
+        if node.users:
+            raise TraceError(f"{node.format_node()}: a grad-mode region whose result is used "
+                             "whole; pipec inlines regions read by index only")
+        graph_module.graph.erase_node(node)
+        if not any(n.target == submodule.target for n in graph_module.graph.nodes
+                   if n is not submodule and n.op == "get_attr"):
+            graph_module.graph.erase_node(submodule)
+            graph_module.delete_submodule(submodule.target)
+    graph_module.recompile()
+
+
+def _copy_region(graph: fx.Graph, body: fx.GraphModule, operands: list[Any], enabled: bool
+                 ) -> list[Any]:
+    """The region's nodes copied into ``graph`` (at its insertion point); what it returns."""
+    values: dict[fx.Node, Any] = {}
+    placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+    values.update(zip(placeholders, operands, strict=True))
+    returned: list[Any] = []
+    for inner in body.graph.nodes:
+        if inner.op == "get_attr":
+            raise TraceError(f"{inner.format_node()}: a grad-mode region that reads an "
+                             "attribute of its own")
+        if inner.op == "output":
+            outputs = inner.args[0]
+            returned = list(outputs) if isinstance(outputs, tuple | list) else [outputs]
+        elif inner.op != "placeholder":
+            values[inner] = graph.node_copy(inner, lambda n: values[n])
+    mapped = [fx.node.map_arg(r, lambda n: values[n]) for r in returned]
+    return mapped if enabled else [_detached(graph, value) for value in mapped]
+
+
+def _detached(graph: fx.Graph, value: Any) -> Any:
+    if not isinstance(value, fx.Node) or not isinstance(value.meta.get("val"), torch.Tensor):
+        return value
+    detached = graph.call_function(torch.ops.aten.detach.default, (value,))
+    detached.meta["val"] = value.meta["val"]
+    return detached
 
 
 def _input_names(graph_module: fx.GraphModule) -> tuple[str, ...]:

@@ -202,3 +202,18 @@ def test_a_constant_the_forward_makes_travels_in_stages_py(tmp_path: Path) -> No
     reference = run_forked(tmp_path / "one", 1, "--steps", "3", "--seed", "3")
     assert run_forked(tmp_path / "two", 2, "--steps", "3", "--seed", "3") == pytest.approx(
         reference, rel=1e-6)
+
+
+def test_a_no_grad_region_and_a_complex_view_compose_and_train(tmp_path: Path) -> None:
+    """torch.export writes the no_grad region as a submodule graph: pipec inlines it (its
+    results detached), and the second block's .real is measured again rather than copied from
+    the first's (a view in another dtype)."""
+    model = MODELS / "no_grad_region.py"
+    compile_apart(model, tmp_path / "one", gpus=1, batch_size=16, frontend="export")
+    compile_apart(model, tmp_path / "two", gpus=2, batch_size=16, frontend="export")
+    assert "wrap_with_set_grad_enabled" not in (tmp_path / "two" / "stages.py").read_text()
+    staged, eager = composed_stages(tmp_path / "two")
+    torch.testing.assert_close(staged, eager)
+    reference = run_forked(tmp_path / "one", 1, "--steps", "3", "--seed", "3")
+    assert run_forked(tmp_path / "two", 2, "--steps", "3", "--seed", "3") == pytest.approx(
+        reference, rel=1e-6)
