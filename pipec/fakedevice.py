@@ -49,6 +49,8 @@ class FakeDevice:
     # Tensors the traced code made from Python values (torch.tensor(8.0)), which torch.export
     # lifts into constants, by their path in the graph module: their values, for the stages.
     constants: dict[str, torch.Tensor] = field(default_factory=dict)
+    # id(tensor) -> (tensor, its meta stand-in) for tensors with no meta original.
+    converted: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     def fake(self, meta: torch.Tensor) -> torch.Tensor:
         if self.mode is None:
@@ -94,7 +96,7 @@ def _swap(model: nn.Module, faked: FakeDevice
 
 
 def _fake_like(tensor: torch.Tensor, faked: FakeDevice) -> torch.Tensor:
-    fake = faked.fake(tensor.detach())
+    fake = faked.fake(tensor.detach().to("meta"))  # a tensor made on the CPU despite meta
     if not isinstance(tensor, nn.Parameter):
         faked.originals[id(fake)] = (fake, tensor)
         return fake
@@ -109,7 +111,9 @@ def to_meta(graph_module: fx.GraphModule, faked: FakeDevice) -> None:
     for prefix, module in graph_module.named_modules():
         for slot in ("_parameters", "_buffers"):
             for name, tensor in getattr(module, slot).items():
-                if isinstance(tensor, FakeTensor):
+                # A weight made on the CPU in spite of the meta device (XLNet's, by the legacy
+                # torch.FloatTensor constructor) goes to meta too: the passes run on meta.
+                if tensor is not None and (isinstance(tensor, FakeTensor) or not tensor.is_meta):
                     getattr(module, slot)[name] = _meta_of(tensor, faked)
         for name, value in list(vars(module).items()):
             if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
@@ -136,10 +140,14 @@ def _keep_constant(path: str, tensor: torch.Tensor, faked: FakeDevice) -> None:
 
 def _meta_of(tensor: torch.Tensor, faked: FakeDevice) -> torch.Tensor:
     fake, original = faked.originals.get(id(tensor), (None, None))
-    if fake is tensor and original is not None:
+    if fake is tensor and original is not None and original.is_meta:
         return original
-    meta = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
-    return nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
+    if id(tensor) not in faked.converted:  # one meta tensor for each: ties stay ties
+        meta = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype,
+                                   device="meta")
+        faked.converted[id(tensor)] = (tensor, nn.Parameter(meta, tensor.requires_grad)
+                                       if isinstance(tensor, nn.Parameter) else meta)
+    return faked.converted[id(tensor)][1]
 
 
 def _meta_device(arg: object, device: torch.device) -> object:
