@@ -83,7 +83,18 @@ def _symbolic_trace(spec: ModelSpec, model: nn.Module, device: str) -> Traced:
             raise TraceError(f"{user_frame(spec.path, exc)}: torch.fx cannot trace the model: "
                              f"{type(exc).__name__}: {_first_line(exc)}") from None
     _drop_specialized_inputs(graph_module, len(defaults))
+    _require_plain_output(spec, graph_module)
     return _traced(graph_module, "fx", faked)
+
+
+def _require_plain_output(spec: ModelSpec, graph_module: fx.GraphModule) -> None:
+    """fx records an output object (XLNet's ModelOutput) as a dict, which loss_fn does not
+    expect: such a model goes to torch.export, which keeps the object's type."""
+    output = next(n for n in graph_module.graph.nodes if n.op == "output").args[0]
+    values = output if isinstance(output, tuple | list) else (output,)
+    if not all(isinstance(v, fx.Node) for v in values):
+        raise TraceError(f"{spec.path}: torch.fx records forward's output as a plain "
+                         "container (an object or dict), which --frontend export keeps")
 
 
 def _traced(graph_module: fx.GraphModule, frontend: str, faked: FakeDevice) -> Traced:

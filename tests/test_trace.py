@@ -217,3 +217,27 @@ def test_a_no_grad_region_and_a_complex_view_compose_and_train(tmp_path: Path) -
     reference = run_forked(tmp_path / "one", 1, "--steps", "3", "--seed", "3")
     assert run_forked(tmp_path / "two", 2, "--steps", "3", "--seed", "3") == pytest.approx(
         reference, rel=1e-6)
+
+
+def test_a_model_returning_a_dict_goes_to_export_and_loss_fn_gets_the_dict(tmp_path: Path
+                                                                           ) -> None:
+    model = tmp_path / "dict_output.py"
+    model.write_text(
+        "import torch\nfrom torch import nn\n\n\n"
+        "class Model(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+        "        self.body = nn.Linear(4, 8)\n        self.head = nn.Linear(8, 3)\n\n"
+        "    def forward(self, x):\n        return {'logits': self.head(self.body(x).relu())}\n\n\n"
+        "def build_model():\n    return Model()\n\n\n"
+        "def sample_batch(n):\n    g = torch.Generator().manual_seed(n)\n"
+        "    return torch.randn(n, 4, generator=g), torch.randint(0, 3, (n,), generator=g)\n\n\n"
+        "def loss_fn(output, targets):\n"
+        "    return nn.functional.cross_entropy(output['logits'], targets)\n")
+    with pytest.raises(TraceError, match=r"records forward's output as a plain container \(an "
+                                         r"object or dict\), which --frontend export keeps"):
+        trace_model(load_model_file(model), "fx")
+    compile_apart(model, tmp_path / "one", gpus=1, batch_size=16)
+    compile_apart(model, tmp_path / "two", gpus=2, batch_size=16)
+    assert json.loads((tmp_path / "two" / "plan.json").read_text())["frontend"] == "export"
+    reference = run_forked(tmp_path / "one", 1, "--steps", "3", "--seed", "3")
+    assert run_forked(tmp_path / "two", 2, "--steps", "3", "--seed", "3") == pytest.approx(
+        reference, rel=1e-6)
