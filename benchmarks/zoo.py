@@ -230,6 +230,8 @@ def timm_source(name: str) -> str:
     kwargs: dict[str, object] = {}
     if base.startswith(("vit_", "deit_", "beit_")):
         kwargs = {"img_size": size, "depth": 2}
+    elif base.startswith("visformer"):
+        kwargs = {"img_size": size}
     elif base.startswith("swin_"):
         size, kwargs = 224, {"embed_dim": 32, "depths": (1, 1, 1, 1), "num_heads": (1, 2, 4, 8)}
     elif base.startswith("convnext"):

@@ -21,7 +21,7 @@ import inspect
 import logging
 import math
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import fx, nn
@@ -114,7 +114,8 @@ def group_norm_rewrites(traced: Traced, graph: CostGraph,
     functional = tuple(
         replace(_group_norm_rewrite(module, nn.BatchNorm1d(int(node.meta["channels"])), groups,
                                     math.prod(shapes.get(node.name, ())[2:])),
-                from_="F.batch_norm", node=node.name)
+                from_="F.batch_norm" if node.target is F.batch_norm else "aten.batch_norm",
+                node=node.name)
         for module, node in _functional_batch_norms(traced))
     return modules + functional
 
@@ -129,11 +130,16 @@ def with_functional_group_norms(graph_module: fx.GraphModule,
     copied = fx.GraphModule(graph_module, copy.deepcopy(graph_module.graph))
     for node in copied.graph.nodes:
         if node.name in chosen:
-            arguments = inspect.signature(F.batch_norm).bind(*node.args, **node.kwargs).arguments
-            node.target = F.group_norm
-            node.args = (arguments["input"], chosen[node.name].groups)
-            node.kwargs = {"weight": arguments.get("weight"), "bias": arguments.get("bias"),
-                           "eps": arguments.get("eps", 1e-5)}
+            arguments = _batch_norm_arguments(node)
+            assert arguments is not None  # chosen from the nodes it recognizes
+            groups, eps = chosen[node.name].groups, arguments.get("eps", 1e-5)
+            weight, bias = arguments.get("weight"), arguments.get("bias")
+            if node.target is F.batch_norm:
+                node.target, node.args = F.group_norm, (arguments["input"], groups)
+                node.kwargs = {"weight": weight, "bias": bias, "eps": eps}
+            else:  # an exported graph's ATen operation
+                node.target = torch.ops.aten.group_norm.default
+                node.args, node.kwargs = (arguments["input"], groups, weight, bias, eps, False), {}
     for node in list(copied.graph.nodes):  # the running statistics, now unread
         if node.op == "get_attr" and not node.users:
             copied.graph.erase_node(node)
@@ -177,9 +183,9 @@ def _functional_batch_norms(traced: Traced) -> list[tuple[str, fx.Node]]:
     node's ``meta["channels"]`` is that buffer's length."""
     found = []
     for node in traced.graph_module.graph.nodes:
-        if node.op != "call_function" or node.target is not F.batch_norm:
+        arguments = _batch_norm_arguments(node)
+        if arguments is None:
             continue
-        arguments = inspect.signature(F.batch_norm).bind(*node.args, **node.kwargs).arguments
         mean = arguments.get("running_mean")
         if not arguments.get("training", False) or not isinstance(mean, fx.Node) \
                 or mean.op != "get_attr":
@@ -187,6 +193,22 @@ def _functional_batch_norms(traced: Traced) -> list[tuple[str, fx.Node]]:
         node.meta["channels"] = traced.graph_module.get_buffer(str(mean.target)).shape[0]
         found.append((str(mean.target).rpartition(".")[0], node))
     return found
+
+
+# The ATen batch norm of an exported graph, by its parameters' names (as F.batch_norm's).
+_ATEN_BATCH_NORM = ("input", "weight", "bias", "running_mean", "running_var", "training",
+                    "momentum", "eps", "cudnn_enabled")
+
+
+def _batch_norm_arguments(node: fx.Node) -> dict[str, Any] | None:
+    """A batch norm call's arguments by name: F.batch_norm (fx) or aten.batch_norm (export)."""
+    if node.op != "call_function":
+        return None
+    if node.target is F.batch_norm:
+        return dict(inspect.signature(F.batch_norm).bind(*node.args, **node.kwargs).arguments)
+    if node.target is torch.ops.aten.batch_norm.default:
+        return {**dict(zip(_ATEN_BATCH_NORM, node.args, strict=False)), **node.kwargs}
+    return None
 
 
 def _spatial_sizes(graph: CostGraph) -> dict[str, int]:

@@ -78,13 +78,23 @@ def _symbolic_trace(spec: ModelSpec, model: nn.Module, device: str) -> Traced:
     defaults = _defaults_not_supplied(model, len(batch_inputs(spec, 1)[0]))
     with on_fake_device(model, device) as faked:
         try:
-            graph_module = fx.symbolic_trace(model, concrete_args=defaults or None)
+            graph_module = _fx_graph(model, defaults)
         except Exception as exc:
             raise TraceError(f"{user_frame(spec.path, exc)}: torch.fx cannot trace the model: "
                              f"{type(exc).__name__}: {_first_line(exc)}") from None
     _drop_specialized_inputs(graph_module, len(defaults))
     _require_plain_output(spec, graph_module)
     return _traced(graph_module, "fx", faked)
+
+
+def _fx_graph(model: nn.Module, defaults: dict[str, Any]) -> fx.GraphModule:
+    """fx.symbolic_trace, with reads of buffers recorded as graph values: by default fx computes
+    what forward derives from a buffer (timm's ``relative_position_index.view(-1)``) while
+    tracing and keeps the result as a constant, whose value a model built on meta lacks."""
+    tracer = fx.Tracer()
+    tracer.proxy_buffer_attributes = True
+    graph = tracer.trace(model, concrete_args=defaults or None)
+    return fx.GraphModule(tracer.root, graph, type(model).__name__)
 
 
 def _require_plain_output(spec: ModelSpec, graph_module: fx.GraphModule) -> None:
