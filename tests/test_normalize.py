@@ -240,3 +240,18 @@ def test_a_batch_norm_inside_a_modules_forward_stays_under_data_parallelism(
     assert "batch_norm(" in (tmp_path / "o" / "stages.py").read_text()
     assert "2 batch norm(s) computed inside a module's forward (bn1, bn2) stay BatchNorm" in \
         caplog.text
+
+
+def test_an_exported_graphs_batch_norm_becomes_a_group_norm_too(tmp_path: Path) -> None:
+    """Under torch.export a BatchNorm is an aten.batch_norm call (timm's MobileViT and
+    TF-EfficientNet go there): rewritten in the graph like F.batch_norm."""
+    model = MODELS / "bn_act.py"
+    compile_to(model, tmp_path / "one", gpus=1, batch_size=16, norm="group", frontend="export")
+    compile_to(model, tmp_path / "two", gpus=2, batch_size=16, frontend="export")
+    plan = json.loads((tmp_path / "two" / "plan.json").read_text())
+    assert [r["from"] for r in plan["norm_rewrites"]] == ["aten.batch_norm"] * 2
+    source = (tmp_path / "two" / "stages.py").read_text()
+    assert source.count("aten.group_norm.default(") == 2 and "aten.batch_norm" not in source
+    reference = run_forked(tmp_path / "one", 1, "--steps", "3", "--seed", "3")
+    assert run_forked(tmp_path / "two", 2, "--steps", "3", "--seed", "3") == pytest.approx(
+        reference, rel=1e-5)

@@ -241,3 +241,15 @@ def test_a_model_returning_a_dict_goes_to_export_and_loss_fn_gets_the_dict(tmp_p
     reference = run_forked(tmp_path / "one", 1, "--steps", "3", "--seed", "3")
     assert run_forked(tmp_path / "two", 2, "--steps", "3", "--seed", "3") == pytest.approx(
         reference, rel=1e-6)
+
+
+def test_a_value_derived_from_a_buffer_is_computed_by_the_stages(tmp_path: Path) -> None:
+    """fx records the buffer read: no constant, whose value the meta-built model lacks."""
+    model = MODELS / "buffer_index.py"
+    traced = trace_model(load_model_file(model), "fx")
+    assert "_tensor_constant" not in traced.graph_module.code
+    compile_to(model, tmp_path / "one", gpus=1, batch_size=16)
+    compile_to(model, tmp_path / "two", gpus=2, batch_size=16)
+    reference = run_forked(tmp_path / "one", 1, "--steps", "3", "--seed", "3")
+    assert run_forked(tmp_path / "two", 2, "--steps", "3", "--seed", "3") == pytest.approx(
+        reference, rel=1e-6)
