@@ -233,7 +233,10 @@ def timm_source(name: str) -> str:
     elif base.startswith("visformer"):
         kwargs = {"img_size": size}
     elif base.startswith("swin_"):
-        size, kwargs = 224, {"embed_dim": 32, "depths": (1, 1, 1, 1), "num_heads": (1, 2, 4, 8)}
+        # Stochastic depth off (its default here is 0.1), as dropout is for the other models:
+        # random draws would differ between one process and a pipeline.
+        size, kwargs = 224, {"embed_dim": 32, "depths": (1, 1, 1, 1), "num_heads": (1, 2, 4, 8),
+                             "drop_path_rate": 0.0}
     elif base.startswith("convnext"):
         kwargs = {"depths": (1, 1, 1, 1)}
     return timm_model(base, size, **kwargs)
