@@ -59,9 +59,10 @@ def _backward_s(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...], device: to
     cut = _CutAtFirstFloat(gm)
     outputs = [t for t in flat_tensors(cut.run(*inputs)) if t.requires_grad]
     gradients = [torch.ones_like(t) for t in outputs]
+    weights = _reached_parameters(outputs) if split else []
     started = device_now(device)
     if split and cut.value is not None:
-        pipeline_backward(outputs, gradients, [cut.value], gm.parameters(), split=True)
+        pipeline_backward(outputs, gradients, [cut.value], weights, split=True)
     elif outputs:
         torch.autograd.backward(outputs, gradients)
     ended = device_now(device)
@@ -69,8 +70,27 @@ def _backward_s(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...], device: to
     return ended - started
 
 
+def _reached_parameters(outputs: list[torch.Tensor]) -> list[nn.Parameter]:
+    """The parameters the outputs' backward reaches: those after the cut, as a stage holds
+    them (torch 2.11's split backward refuses any other: "appears to not have been used in
+    the graph"; the embedding before a language model's first float value is one)."""
+    found: dict[int, nn.Parameter] = {}
+    seen: set[Any] = set()
+    stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    while stack:
+        function = stack.pop()
+        if function is None or function in seen:
+            continue
+        seen.add(function)
+        variable = getattr(function, "variable", None)  # an AccumulateGrad's leaf
+        if isinstance(variable, nn.Parameter):
+            found[id(variable)] = variable
+        stack.extend(following for following, _ in function.next_functions)
+    return list(found.values())
+
+
 class _CutAtFirstFloat(fx.Interpreter):
-    """Runs the graph with its first floating-point value detached and asking for its
+    """Runs the graph with its first floating-point activation detached and asking for its
     gradient: what a pipeline stage's received input is."""
 
     def __init__(self, gm: nn.Module) -> None:
@@ -79,8 +99,10 @@ class _CutAtFirstFloat(fx.Interpreter):
 
     def run_node(self, n: fx.Node) -> Any:
         result = super().run_node(n)
-        if self.value is None and isinstance(result, torch.Tensor) \
-                and result.is_floating_point():
+        # An activation, as a stage receives: not a weight (an exported graph reads weights
+        # through get_attr nodes, GPT-2's token embedding first).
+        if self.value is None and n.op not in ("get_attr", "placeholder") \
+                and isinstance(result, torch.Tensor) and result.is_floating_point():
             result = result.detach().requires_grad_(True)
             self.value = result
         return result
