@@ -22,6 +22,7 @@ from pipec.torchcompat import (
     can_fake,
     cpu_only_fakes,
     device_reads,
+    fake_constant,
     fake_on_device,
 )
 
@@ -133,7 +134,7 @@ def to_meta(graph_module: fx.GraphModule, faked: FakeDevice) -> None:
 def _keep_constant(path: str, tensor: torch.Tensor, faked: FakeDevice) -> None:
     """The value of a constant the traced code made (torch.export lifts it into a plain
     attribute): a real tensor, or a fake one that knows its value."""
-    value = getattr(tensor, "constant", None) if isinstance(tensor, FakeTensor) else tensor
+    value = fake_constant(tensor) if isinstance(tensor, FakeTensor) else tensor
     if isinstance(value, torch.Tensor) and value.device.type != "meta":
         faked.constants[path] = value.detach().clone()
 

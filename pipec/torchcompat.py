@@ -26,6 +26,7 @@ from pipec import __version__
 from pipec.errors import PipecError
 
 __all__ = [
+    "GRAD_MODE_REGION",
     "SUPPORTED_PIP",
     "SUPPORTED_TORCH",
     "FakeTensor",
@@ -37,6 +38,7 @@ __all__ = [
     "check_torch",
     "cpu_only_fakes",
     "device_reads",
+    "fake_constant",
     "fake_on_device",
     "output_structure",
     "pipeline_backward",
@@ -90,6 +92,16 @@ def cpu_only_fakes() -> Iterator[None]:
         yield
     finally:
         FakeTensorMode.avoid_device_init = original  # type: ignore[method-assign]
+
+
+# torch.export's call of a torch.no_grad() (or enable_grad) region kept in a submodule graph.
+GRAD_MODE_REGION = torch.ops.higher_order.wrap_with_set_grad_enabled
+
+
+def fake_constant(tensor: FakeTensor) -> torch.Tensor | None:
+    """The real value a fake tensor made from Python data carries, if it does."""
+    value = getattr(tensor, "constant", None)
+    return value if isinstance(value, torch.Tensor) else None
 
 
 def fake_on_device(mode: FakeTensorMode, meta: torch.Tensor, device: torch.device) -> FakeTensor:

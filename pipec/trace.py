@@ -20,7 +20,7 @@ from torch import fx, nn
 from pipec.errors import ConfigError, ModelFileError, TraceError
 from pipec.fakedevice import FakeDevice, on_fake_device, short_read, to_meta, trace_device
 from pipec.loader import ModelSpec, user_frame
-from pipec.torchcompat import output_structure, runtime_compat
+from pipec.torchcompat import GRAD_MODE_REGION, output_structure, runtime_compat
 
 
 @dataclass(frozen=True)
@@ -252,7 +252,7 @@ def _inline_grad_regions(graph_module: fx.GraphModule) -> None:
     called by ``wrap_with_set_grad_enabled``: its nodes go into the main graph, each value it
     returns detached (the same values, and no gradient flows back through them), so that the
     stages need no submodule of the graph's own."""
-    region = torch.ops.higher_order.wrap_with_set_grad_enabled
+    region = GRAD_MODE_REGION
     for node in [n for n in graph_module.graph.nodes if n.target is region]:
         enabled, submodule, *operands = node.args
         body = getattr(graph_module, submodule.target)
