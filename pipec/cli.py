@@ -11,24 +11,25 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import fields
 from pathlib import Path
 
 from pipec import __version__
-from pipec.calibrate import PROFILE_NORMS, profile_model
-from pipec.calibrationfile import load_calibration, save_calibration
+from pipec.calibration.by_default import MEASURE_CHOICES
+from pipec.calibration.profile import PROFILE_NORMS, profile_model
 from pipec.compare import compare
 from pipec.compare import render as render_comparison
-from pipec.costmodel import Fit, Training
+from pipec.cost.calibration_file import load_calibration, save_calibration
+from pipec.cost.hardware import DEFAULT, PRESETS
+from pipec.cost.model import OPTIMIZERS, PRECISIONS, Fit, Training
 from pipec.driver import CompileOptions, compile_model
 from pipec.errors import ConfigError, PipecError
-from pipec.hardware import DEFAULT, PRESETS
+from pipec.frontend.normalization import NORM_CHOICES
+from pipec.frontend.trace import FRONTENDS
 from pipec.inspection import inspect_model, render_json, render_table
-from pipec.measured import MEASURE_CHOICES
-from pipec.normalize import NORM_CHOICES
-from pipec.planner import FSDP_MODES, RECOMPUTE, STRATEGIES, Plan
-from pipec.schedule import SCHEDULES
+from pipec.planning.planner import FSDP_MODES, RECOMPUTE, STRATEGIES, Plan
+from pipec.planning.schedules import SCHEDULES
 from pipec.torchcompat import check_torch
-from pipec.trace import FRONTENDS
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -36,7 +37,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
                         format="pipec: %(message)s")
-    logging.getLogger("pipec.measured").setLevel(logging.INFO)  # a measurement takes seconds
+    # A measurement takes seconds: say what runs.
+    logging.getLogger("pipec.calibration.by_default").setLevel(logging.INFO)
     try:
         check_torch()
         return int(args.run(args))
@@ -127,8 +129,8 @@ def _add_compile(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
                    help="the device mesh, outer dimension first: dp,pp puts each replica's "
                    "pipeline on neighbouring ranks, pp,dp each pipeline device's replicas "
                    "(auto: searched where it matters, across nodes)")
-    p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd", help="(sgd)")
-    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="(fp32)")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd", help="(sgd)")
+    p.add_argument("--precision", choices=PRECISIONS, default="fp32", help="(fp32)")
     p.add_argument("--calibration", type=Path, default=None,
                    help="compute times measured by pipec profile (JSON) instead of the preset's")
     p.add_argument("--measure", choices=MEASURE_CHOICES,
@@ -162,8 +164,8 @@ def _add_inspect(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument("--depth", type=int, default=None,
                    help="group by module at this depth (default: one row per graph node)")
     p.add_argument("--hardware", default=DEFAULT, help=f"device for the time estimate ({DEFAULT})")
-    p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd", help="(sgd)")
-    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="(fp32)")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd", help="(sgd)")
+    p.add_argument("--precision", choices=PRECISIONS, default="fp32", help="(fp32)")
     p.add_argument("--calibration", type=Path, default=None,
                    help="compute times measured by pipec profile (JSON)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -242,16 +244,7 @@ def _run_inspect(args: argparse.Namespace) -> int:
 
 
 def _run_compile(args: argparse.Namespace) -> int:
-    options = CompileOptions(
-        model=args.model, out=args.out, gpus=args.gpus, nodes=args.nodes,
-        batch_size=args.batch_size, hardware=args.hardware, pp=args.pp,
-        micro_batch=args.micro_batch, schedule=args.schedule, norm=args.norm,
-        norm_groups=args.norm_groups, recompute=args.recompute, mesh=args.mesh,
-        fsdp=args.fsdp, optimizer=args.optimizer,
-        precision=args.precision,
-        calibration=args.calibration, measure=args.measure, strategy=args.strategy,
-        virtual_stages=args.virtual_stages, boundaries=args.boundaries, margin=args.margin,
-        frontend=args.frontend, onnx=args.onnx, force=args.force)
+    options = CompileOptions(**{f.name: getattr(args, f.name) for f in fields(CompileOptions)})
     plan, emitted = compile_model(options)
     print(f"pipec: wrote {emitted.out}/ ({', '.join(emitted.files)}): {len(plan.stages)} "
           f"stage(s) on {plan.pp} pipeline device(s) × {plan.dp} replica(s), micro-batch "

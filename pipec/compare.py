@@ -11,9 +11,9 @@ from typing import Any
 
 from tabulate import tabulate
 
+from pipec.codegen.plan_file import plan_id
 from pipec.critical import Breakdown, mean_breakdown
 from pipec.errors import MetricsError
-from pipec.planfile import plan_id
 from pipec.units import mib
 
 # A prediction within this factor of the measurement is taken as holding.

@@ -3,28 +3,34 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
-from pipec.annotate import CostGraph, annotate
-from pipec.calibrationfile import load_calibration
-from pipec.costmodel import Training
-from pipec.emit import Emitted, emit
+from pipec.calibration import MEASURE_CHOICES, measure_locally
+from pipec.codegen import Emitted, emit, export_stages, require_onnx, split
+from pipec.cost import Device, Training, load_calibration, load_devices
+from pipec.cost.hardware import DEFAULT
 from pipec.errors import ConfigError
-from pipec.hardware import DEFAULT, Device, load_devices
-from pipec.loader import ModelSpec, load_model_file
-from pipec.measured import MEASURE_CHOICES, measure_locally
-from pipec.normalize import plan_norms, with_functional_group_norms
-from pipec.onnx_export import export_stages, require_onnx
-from pipec.planner import Plan, PlanRequest, check, plan
-from pipec.split import split
-from pipec.trace import Traced, trace_model
+from pipec.frontend import (
+    CostGraph,
+    ModelSpec,
+    Traced,
+    annotate,
+    load_model_file,
+    plan_norms,
+    trace_model,
+)
+from pipec.frontend.normalization import with_functional_group_norms
+from pipec.planning import Plan, PlanRequest, check, check_request, plan
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class CompileOptions:
+    """``pipec compile``'s options, one field per flag under the flag's argparse name (the
+    command line maps onto it by name); the fields a ``PlanRequest`` shares pass on by name."""
+
     model: Path
     out: Path = Path("out")
     gpus: int = 1
@@ -74,8 +80,8 @@ def analyze(options: CompileOptions) -> Analyzed:
 
 
 def _measured(request: PlanRequest, options: CompileOptions, graph: CostGraph) -> PlanRequest:
-    """Times measured on this machine (pipec.measured) unless a calibration file was given, the
-    user said --measure off, or the devices are another kind (their preset stands)."""
+    """Times measured on this machine (pipec.calibration) unless a calibration file was given,
+    the user said --measure off, or the devices are another kind (their preset stands)."""
     if options.measure == "off" or request.calibration is not None:
         return request
     local = measure_locally(options.model, request.devices, options.gpus // options.nodes,
@@ -121,44 +127,25 @@ def compile_model(options: CompileOptions) -> tuple[Plan, Emitted]:
 
 
 def _request(options: CompileOptions) -> PlanRequest:
-    """Check the options that need no model, so that mistakes are reported before tracing."""
+    """The plan request the options make, checked before anything reads the model."""
     if options.onnx:
         require_onnx()
-    if options.gpus < 1:
-        raise ConfigError(f"--gpus {options.gpus}: need at least 1 device")
-    if options.nodes < 1 or options.gpus % options.nodes:
-        raise ConfigError(f"--gpus {options.gpus} is not divisible by --nodes {options.nodes}; "
-                          "every node runs the same number of devices")
-    if options.batch_size < 1:
-        raise ConfigError(f"--batch-size {options.batch_size}: must be a positive integer")
-    if options.pp is not None and options.pp < 1:
-        raise ConfigError(f"--pp {options.pp}: need at least 1 stage")
-    if options.optimizer not in ("sgd", "adamw"):
-        raise ConfigError(f"--optimizer {options.optimizer!r}: use sgd or adamw")
-    if options.virtual_stages is not None and options.virtual_stages < 2:
-        raise ConfigError(f"--virtual-stages {options.virtual_stages}: interleaving needs 2 or "
-                          "more stages per device")
-    if options.margin is not None and not 0 <= options.margin < 1:
-        raise ConfigError(f"--margin {options.margin:.0%}: give a percentage from 0 to 99 (0: "
-                          "the fastest predicted plan, however close the runner-up)")
     if options.measure not in MEASURE_CHOICES:
         raise ConfigError(f"--measure {options.measure!r} (or PIPEC_MEASURE): use auto or off")
-    if options.precision not in ("fp32", "bf16"):
-        raise ConfigError(f"--precision {options.precision!r}: use fp32 or bf16")
-    return PlanRequest(
-        gpus=options.gpus, nodes=options.nodes, global_batch=options.batch_size, pp=options.pp,
-        micro_batch=options.micro_batch, schedule=options.schedule, hardware=options.hardware,
-        devices=_devices(options),
+    request = PlanRequest(
+        **{name: getattr(options, name) for name in _SHARED_WITH_REQUEST},
+        global_batch=options.batch_size, devices=load_devices(options.hardware, options.gpus),
         training=Training(options.optimizer, options.precision),
-        calibration=load_calibration(options.calibration) if options.calibration else None,
-        strategy=options.strategy, virtual_stages=options.virtual_stages, margin=options.margin,
-        norm=options.norm, recompute=options.recompute, mesh=options.mesh, fsdp=options.fsdp,
-        boundaries=options.boundaries)
-
-
-def _devices(options: CompileOptions) -> tuple[Device, ...]:
-    devices = load_devices(options.hardware, options.gpus)
-    if options.calibration is not None and len(set(devices)) > 1:
+        calibration=load_calibration(options.calibration) if options.calibration else None)
+    check_request(request)
+    if options.calibration is not None and len(set(request.devices)) > 1:
         raise ConfigError("--calibration measures one kind of device, but --hardware "
                           f"{options.hardware!r} lists several; drop one of the two")
-    return devices
+    return request
+
+
+# The options the plan request takes as they are; it derives the others (the calibration: a
+# file's path in the options, its contents in the request).
+_SHARED_WITH_REQUEST = tuple(
+    f.name for f in fields(PlanRequest)
+    if f.name in {o.name for o in fields(CompileOptions)} - {"calibration"})

@@ -8,12 +8,12 @@ from typing import Any
 
 from tabulate import tabulate
 
-from pipec.annotate import CostGraph, NodeCost, annotate
-from pipec.costmodel import Calibration, Training, node_arrays
+from pipec.cost.hardware import load_hardware
+from pipec.cost.model import Calibration, Training, node_arrays
 from pipec.errors import ConfigError
-from pipec.hardware import load_hardware
-from pipec.loader import load_model_file
-from pipec.trace import trace_model
+from pipec.frontend.annotate import CostGraph, NodeCost, annotate
+from pipec.frontend.loader import load_model_file
+from pipec.frontend.trace import trace_model
 from pipec.units import mib
 
 

@@ -6,7 +6,7 @@ import importlib.util
 import json
 import os
 
-# One thread per process: several training processes share this machine's two cores, and forked
+# One thread per process: several training processes share the machine's cores, and forked
 # workers must not inherit a running OpenMP pool.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Plans from the presets: measuring on this machine (--measure auto) is slow and varies between
@@ -28,11 +28,11 @@ import torch
 import torch.distributed.pipelining
 import torch.multiprocessing as mp
 
-from pipec.costmodel import usable_memory
+from pipec.codegen.output_dir import emitted_modules
+from pipec.cost.hardware import load_devices
+from pipec.cost.model import usable_memory
 from pipec.driver import CompileOptions, compile_model
-from pipec.hardware import load_devices
-from pipec.outdir import emitted_modules
-from pipec.planner import Plan
+from pipec.planning.planner import Plan
 
 torch.set_num_threads(1)
 

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import argparse
+import re
 import subprocess
 import sys
+from dataclasses import fields, replace
 from pathlib import Path
 
 import pytest
 
 from conftest import SAMPLES
-from pipec.cli import main
+from pipec.cli import _parser, main
+from pipec.driver import CompileOptions, _request
+from pipec.errors import ConfigError
 
 PIPEC = [sys.executable, "-m", "pipec.cli"]
 
@@ -59,3 +64,47 @@ def test_bad_flag_value_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> 
         main(["compile", "m.py", "--micro-batch", "lots"])
     assert exit_info.value.code == 2
     assert "expected 'auto' or an integer" in capsys.readouterr().err
+
+
+def compile_parser() -> argparse.ArgumentParser:
+    commands = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return commands.choices["compile"]
+
+
+def test_every_compile_option_is_one_flag_with_the_same_default() -> None:
+    flags = {action.dest: action for action in compile_parser()._actions}
+    for option in fields(CompileOptions):
+        assert option.name in flags, f"CompileOptions.{option.name} has no flag"
+        if option.name not in ("model", "measure"):  # measure: $PIPEC_MEASURE sets its default
+            assert flags[option.name].default == option.default, option.name
+    assert set(flags) - {f.name for f in fields(CompileOptions)} == {"help", "verbose"}
+
+
+def test_options_reach_the_plan_request_by_name(tmp_path: Path) -> None:
+    args = compile_parser().parse_args([
+        str(SAMPLES / "mlp.py"), "--gpus", "4", "--nodes", "2", "--pp", "2", "--batch-size", "8",
+        "--schedule", "1f1b", "--recompute", "none", "--fsdp", "off", "--mesh", "pp,dp",
+        "--strategy", "torchgpipe", "--margin", "7", "--norm", "group", "--optimizer", "adamw"])
+    options = CompileOptions(**{f.name: getattr(args, f.name) for f in fields(CompileOptions)})
+    request = _request(options)
+    assert (request.gpus, request.nodes, request.pp, request.global_batch) == (4, 2, 2, 8)
+    assert (request.schedule, request.recompute, request.fsdp, request.mesh) == (
+        "1f1b", "none", "off", "pp,dp")
+    assert (request.strategy, request.margin, request.norm) == ("torchgpipe", 0.07, "group")
+    assert request.training.optimizer == "adamw" and len(request.devices) == 4
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"gpus": 0}, "--gpus 0: need at least 1 device"),
+    ({"nodes": 0}, "not divisible by --nodes 0"),
+    ({"pp": 0}, "--pp 0: need at least 1 stage"),
+    ({"optimizer": "lion"}, "--optimizer 'lion'"),
+    ({"precision": "fp8"}, "--precision 'fp8'"),
+    ({"virtual_stages": 1}, "--virtual-stages 1"),
+    ({"margin": 1.5}, "--margin 150%"),
+    ({"measure": "sometimes"}, "--measure 'sometimes'"),
+    ({"hardware": "cpu:3", "gpus": 2}, "lists 3 devices but --gpus is 2"),
+])
+def test_request_errors(change: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        _request(replace(CompileOptions(model=SAMPLES / "mlp.py"), **change))

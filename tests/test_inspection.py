@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from conftest import SAMPLES
-from pipec.costmodel import Training
+from pipec.cost.model import Training
 from pipec.errors import ConfigError
 from pipec.inspection import inspect_model
 

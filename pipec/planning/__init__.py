@@ -1,13 +1,22 @@
-"""The plan pass's parts, one concept per module; ``pipec.planner.plan`` is the entry point.
+"""The plan pass: search pp × dp, micro-batch size and schedule; partition stages with the
+exact DP. ``plan(graph, request)`` is the entry point.
 
 | module | owns |
 |---|---|
+| ``planner.py`` | the pass: check the request, search, adopt a baseline, report (``plan``) |
 | ``values.py`` | the request and the results (``PlanRequest``, ``Plan``, ``StagePlan`` …) |
-| ``costs.py`` | ``Layout``, ``Point`` and the cost arrays every point shares (``Costs``) |
+| ``points.py`` | ``Layout``, ``Point`` and the cost arrays every point shares (``Costs``) |
+| ``schedules.py`` | each device's order of actions under a schedule (GPipe, 1F1B, …) |
+| ``zero_bubble.py`` | the zero-bubble schedules' orders (ZB-H1, ZB-V) |
+| ``simulate.py`` | a schedule's iteration time, bubble and in-flight micro-batches |
+| ``spans.py`` | what a stage costs over one span of nodes |
+| ``partition.py`` | exact DP over contiguous stages under memory |
+| ``device_peak.py`` | the peak of a device that holds several stages |
 | ``sharding.py`` | sharded data parallelism (FSDP): what a sharded stage holds, its collectives |
 | ``balance.py`` | the strategies and the boundary rule each one balances with |
 | ``layouts.py`` | the search space: pp × dp layouts, micro-batch sizes, schedules, points |
 | ``evaluate.py`` | one point: its boundaries and memory, then its simulated iteration |
+| ``choice.py`` | the choice under the time model's error (the decision margin) |
 | ``search.py`` | branch and bound over the points |
 | ``baselines.py`` | the baselines' plans, and adopting one |
 | ``maxbatch.py`` | the largest global batch each strategy trains |
@@ -27,3 +36,8 @@ Glossary (besides docs/architecture.md's):
   order, and whether the replicas shard each stage (FSDP) or replicate it (DDP).
 - *point*: a layout with a micro-batch size and a schedule: what the search evaluates.
 """
+
+from pipec.planning.planner import check, check_request, plan
+from pipec.planning.values import Plan, PlanRequest, StagePlan
+
+__all__ = ["Plan", "PlanRequest", "StagePlan", "check", "check_request", "plan"]

@@ -12,11 +12,11 @@ from typing import Literal
 
 import numpy as np
 
-from pipec.partition import solve
-from pipec.planning.costs import BoundaryKey, Costs, Placement, Point
-from pipec.schedule import ZERO_BUBBLE
-from pipec.spans import Problem, make_problem
-from pipec.stagememory import StageRole, ends_bytes, stage_memory, working_bytes
+from pipec.cost.stage_memory import StageRole, ends_bytes, stage_memory, working_bytes
+from pipec.planning.partition import solve
+from pipec.planning.points import BoundaryKey, Costs, Placement, Point
+from pipec.planning.schedules import ZERO_BUBBLE
+from pipec.planning.spans import Problem, make_problem
 
 Balance = Literal["time_within_memory", "time", "parameters", "uniform", "pinned"]
 

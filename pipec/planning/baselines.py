@@ -8,12 +8,12 @@ from dataclasses import dataclass
 
 from pipec.errors import InfeasibleError
 from pipec.planning.balance import BALANCE, BASELINES
-from pipec.planning.choice import Decision, choose
-from pipec.planning.costs import Costs, Layout, Point
+from pipec.planning.choice import choose
 from pipec.planning.evaluate import Evaluated, rank, unlimited
 from pipec.planning.layouts import conventional_layout, micro_batch_sizes
-from pipec.planning.values import Baseline, PlanRequest
-from pipec.schedule import runs
+from pipec.planning.points import Costs, Layout, Point
+from pipec.planning.schedules import runs
+from pipec.planning.values import Baseline, Decision, PlanRequest
 from pipec.units import gib
 
 
@@ -64,7 +64,7 @@ def adopt(costs: Costs, searched: tuple[Evaluated, ...], plans: tuple[BaselinePl
     """The plan to emit: a baseline's when asked (--strategy), else pipec's choice among its
     search's plans that fit (``searched``) and the feasible baselines within what
     the user fixed (--micro-batch, --schedule, --pp): a baseline that simulates faster wins,
-    unless a simpler plan is predicted within the decision margin of it (planning.choice)."""
+    unless a simpler plan is predicted within the decision margin of it (pipec.planning.choice)."""
     request = costs.request
     strategy = request.strategy
     if strategy != "pipec":

@@ -6,48 +6,25 @@ measured error to win, since a smaller predicted margin says nothing about which
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TypeVar
 
-from pipec.planning.costs import Costs
 from pipec.planning.evaluate import Evaluated, rank
-from pipec.planning.values import Candidate, PlanRequest
-from pipec.schedule import ZERO_BUBBLE
+from pipec.planning.points import Costs
+from pipec.planning.schedules import ZERO_BUBBLE
+from pipec.planning.values import Candidate, Decision, PlanRequest
 
 T = TypeVar("T")
 
-# The time model's relative error between two plans of one model, measured by
-# benchmarks/fidelity.py (docs/fidelity.md) with compute times measured on the device: each plan's
-# measured ÷ predicted step time against the median ratio of its model's other plans. Since the
-# sixteenth session (2026-12-03) the margin is that error of the present model over every saved
-# run, re-predicted on one cache (benchmarks/repredict.py): a median 5.2 % (75th percentile
-# 9.4 %) over 316 plans of 9 runs (4.8 % and 8.1 % over their 87 4-process plans). Re-predicting
-# those runs, the plan the choice keeps among the measured ones measured a regret above 3 % in
-# 14 of 53 case-runs at this margin (mean 2.3 %), 16 at the 9.9 % set in the ninth session
-# (2.8 %), 13 with none (2.8 %), 17 at 13 % (3.0 %); 9 at 2 % (1.8 %), but below the model's
-# error a predicted gain says nothing about which plan measures faster. The 9.9 % guarded gpt pp4
-# against a 4-stage plan predicted 6.7 % faster and measured 1.154 × slower (twelfth
-# session), a misjudgment of its 2 × 2 plans' all-reduces that the data-parallel groups'
-# own figures mended (predicted 1.14 × slower, measured 1.11 ×). With the seventeenth session's
-# whole run added (10 runs, 62 case-runs, re-predicted on that day's measurements) the error was
-# 7.0 %, and no margin from 4 to 9.9 % kept fewer regrets above 3 % than 5.2 % did (11; 13 at
-# 7 % and at 9.9 %), so it stays. Earlier margins and the runs
-# behind them: docs/fidelity.md ("The decision margin"). A preset's roofline knows neither the
-# kernels' real speed nor their overheads, and was not measured apart: it keeps 13 %, about the
-# measured runs' 75th percentiles (9.9 % to 14.7 % in the ninth to twelfth sessions).
+# MEASURED_MARGIN: the time model's median relative error between two plans of one model, with
+# compute times measured on the device: each plan's measured ÷ predicted step time against the
+# median ratio of its model's other plans, over every saved fidelity run re-predicted on one
+# cache by benchmarks/studies/repredict.py: 5.2 % over 316 plans, measured on a 2-core AMD EPYC VM.
+# Below it a predicted gain says nothing about which plan measures faster. ROOFLINE_MARGIN, for
+# a preset's roofline, which knows neither the kernels' real speed nor their overheads and was
+# not measured apart: about the measured runs' 75th-percentile error. Evidence:
+# docs/fidelity.md ("The decision margin").
 MEASURED_MARGIN = 0.052
 ROOFLINE_MARGIN = 0.13
-
-
-@dataclass(frozen=True)
-class Decision:
-    """Why the plan won: the margin a more complex plan needed, and the closest alternative."""
-
-    margin: float
-    runner_up: Candidate | None  # None: no other plan fits
-    runner_up_relative: float  # its predicted step time ÷ the plan's − 1 (negative: faster)
-    # The runner-up predicts faster, but a plan simpler than it is within the margin.
-    kept_simpler: bool
 
 
 def decision_margin(request: PlanRequest) -> float:
@@ -61,9 +38,9 @@ def choose(costs: Costs, best: Evaluated, alternatives: list[Evaluated]
     """The fastest of the simplest plans predicted within the margin of ``best`` (the fastest;
     one of ``alternatives``), and why. The simplest: those no other plan within the margin is
     simpler than. Complexity is a partial order, so there may be several; walking down from
-    ``best`` to ever simpler plans could end at a slower one of them (the sixth fidelity run's
-    ResNet: from ZB-V to interleaving at a predicted 140 ms, past 1F1B at a smaller
-    micro-batch at 137 ms, which nothing within the margin is simpler than)."""
+    ``best`` to ever simpler plans could end at a slower one of them (e.g. from ZB-V to
+    interleaving, past a faster 1F1B plan at a smaller micro-batch that nothing within the
+    margin is simpler than: tests/planning/test_choice.py)."""
     margin = decision_margin(costs.request)
     chosen = simplest_fastest([e for e in alternatives
                                if e.iteration_s <= best.iteration_s * (1 + margin)])
@@ -82,8 +59,8 @@ def simplest_fastest(within: list[Evaluated]) -> Evaluated:
 
 
 def simplest(within: Sequence[T], complexity_of: Callable[[T], Complexity]) -> list[T]:
-    """The plans in ``within`` that no other plan there is simpler than (benchmarks/repredict.py
-    applies the rule to saved plans too)."""
+    """The plans in ``within`` that no other plan there is simpler than
+    (benchmarks/studies/repredict.py applies the rule to saved plans too)."""
     keys = [complexity_of(e) for e in within]
     return [e for e, key in zip(within, keys, strict=True)
             if not any(simpler(other, key) for other in keys)]

@@ -9,22 +9,28 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from pipec.costmodel import (
+from pipec.cost.hardware import for_replicas
+from pipec.cost.model import (
     allreduce_bandwidth,
     allreduce_s,
     data_parallel_collectives,
     optimizer_s,
     spans_nodes,
 )
-from pipec.devicepeak import apart_bytes
-from pipec.hardware import for_replicas
+from pipec.cost.stage_memory import StageMemory, StageRole, stage_memory
 from pipec.planning.balance import Balance, boundaries
-from pipec.planning.costs import Costs, Layout, Point, StageCosts
+from pipec.planning.device_peak import apart_bytes
+from pipec.planning.points import Costs, Layout, Point, StageCosts
+from pipec.planning.schedules import (
+    HOLDS_SENDS,
+    SCHEDULES,
+    ZERO_BUBBLE,
+    awaiting_weights,
+    in_flight,
+)
 from pipec.planning.sharding import SHARDED, collective_count, collectives_s
+from pipec.planning.simulate import Simulation, simulate, stage_lower_bound_s
 from pipec.planning.values import PlanRequest
-from pipec.schedule import HOLDS_SENDS, SCHEDULES, ZERO_BUBBLE, awaiting_weights, in_flight
-from pipec.simulate import Simulation, simulate, stage_lower_bound_s
-from pipec.stagememory import StageMemory, StageRole, stage_memory
 
 
 @dataclass(frozen=True)
@@ -200,10 +206,9 @@ def transfer_s(e: Evaluated) -> tuple[list[float], list[float]]:
     its backward to the one before (StageCosts.cut_s holds both ways). The simulation puts it
     between the send and the arrival, not in the sender's action: torch's runtime posts a
     send and goes on (1F1B waits for it together with its next receive), and a send to a
-    receiver not yet asking starts only when it asks (gloo's rendezvous). On 2 processes
-    holding their cores 4 and 8 ms per action (benchmarks/link_side.py), 8 micro-batches of
-    4 MiB added 67.4 ms to a 1F1B step with the receiver slower, 57.7 with the sender slower;
-    so, 45.2 and 54.3 ms, against 30.0 and 52.2 with the sender paying (docs/cost-model.md)."""
+    receiver not yet asking starts only when it asks (gloo's rendezvous).
+    benchmarks/studies/link_side.py measures this against charging the sender
+    (docs/cost-model.md)."""
     cut, spans = e.stage_costs.cut_s, list(itertools.pairwise(e.boundaries))
     forward = [float(cut[k, b]) / 2 for k, (_, b) in enumerate(spans)]
     backward = [float(cut[k - 1, a]) / 2 if k else 0.0 for k, (a, _) in enumerate(spans)]
@@ -337,9 +342,8 @@ def _collectives_s(costs: Costs, e: Evaluated, position: int,
     replicas are) and the lead one replica takes on the other over the step's ``compute_s``
     since the last step's collectives, as an all-reduce in a pass waits for it
     (Device.blocking_drift · √T). Both are measured with DDP; FSDP2 pays them too (its hooks
-    copy each parameter in and out, and its replicas meet at its collectives as DDP's do).
-    Until the ninth session FSDP paid neither: zero2 then looked 17 % faster than DDP for the
-    GPT sample on 4 processes and measured 1.48 × slower (docs/fidelity.md)."""
+    copy each parameter in and out, and its replicas meet at its collectives as DDP's do;
+    docs/cost-model.md, "A data-parallel step")."""
     layout = e.layout
     per_node = costs.request.gpus // costs.request.nodes
     inter_node = spans_nodes(position, layout.pp, layout.dp, per_node, layout.replicas_inner)

@@ -3,13 +3,13 @@ that the request allows, checked against the devices, the batch and the model's 
 
 from __future__ import annotations
 
-from pipec.costmodel import static_ratio
+from pipec.cost.model import static_ratio
 from pipec.errors import ConfigError
-from pipec.normalize import resolve_norm
-from pipec.planning.costs import Costs, Layout, Point
+from pipec.frontend.normalization import resolve_norm
+from pipec.planning.points import Costs, Layout, Point
+from pipec.planning.schedules import SCHEDULES, ZERO_BUBBLE, runs
 from pipec.planning.sharding import SHARDED, sharded_static_ratio
 from pipec.planning.values import PlanRequest
-from pipec.schedule import SCHEDULES, ZERO_BUBBLE, runs
 
 # Interleaved 1F1B: the stages per device searched when --virtual-stages is not given.
 VIRTUAL_STAGES = (2, 3, 4)
@@ -102,7 +102,7 @@ def pinned_points(request: PlanRequest, found: list[Point]) -> list[Point]:
 
 
 def fsdp_modes(costs: Costs, layout: Layout, schedule: str, virtual: int) -> tuple[str, ...]:
-    """The sharding searched at a point (planning.sharding): only with replicas to shard over,
+    """The sharding searched at a point (pipec.planning.sharding): only with replicas to shard over,
     one stage per device (FSDP units must not share a parameter, as a device's stages may) and
     a full backward (torch's zero-bubble schedules make the weights' gradients apart); never
     where plain BatchNorm is kept across replicas (FSDP, unlike DDP, does not broadcast the

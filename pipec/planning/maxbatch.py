@@ -1,18 +1,18 @@
 """The largest global batch each strategy trains within memory: pipec over every pp × dp it may
 pick (sharded where it may shard), the partition baselines on pipec's, conventional on its own
-pipeline. Each is tried in its
-leanest setting; the search doubles the batch, then bisects, up to a limit."""
+pipeline. Each is tried in its leanest setting; the search doubles the batch, then bisects, up
+to a limit."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
 from pipec.planning.balance import BALANCE, STRATEGIES
-from pipec.planning.costs import Costs, Layout, Point
 from pipec.planning.evaluate import partition
 from pipec.planning.layouts import conventional_layout, fsdp_modes, layouts_to_search
+from pipec.planning.points import Costs, Layout, Point
+from pipec.planning.schedules import runs
 from pipec.planning.values import MaxBatch
-from pipec.schedule import runs
 
 # The maximum-batch search stops at this multiple of --batch-size.
 MAX_BATCH_FACTOR = 64

@@ -2,19 +2,19 @@
 time up, stopping once the bound exceeds the best plan found (the bound is the busiest device's
 share of the work at the fastest device's speed, plus the all-reduce of an equal share of the
 gradients; every point's simulated time is at least that; where CPU processes share cores,
-pipec.cores widens it)."""
+pipec.cost.cores widens it)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipec.costmodel import allreduce_s
+from pipec.cost.model import allreduce_s
 from pipec.planning.choice import candidate
-from pipec.planning.costs import Costs, Point
 from pipec.planning.evaluate import Evaluated, partition, rank, stage_bound_s, timed
+from pipec.planning.points import Costs, Point
+from pipec.planning.schedules import SCHEDULES
+from pipec.planning.simulate import lower_bound_s
 from pipec.planning.values import Candidate
-from pipec.schedule import SCHEDULES
-from pipec.simulate import lower_bound_s
 
 # Bounds and simulations sum the same times in different orders: a bound is compared with this
 # margin.

@@ -1,17 +1,13 @@
-"""What the plan pass takes and returns (re-exported by ``pipec.planner``)."""
+"""What the plan pass takes and returns (re-exported by ``pipec.planning.planner``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from pipec.costmodel import Calibration, Training
-from pipec.hardware import Device
-from pipec.simulate import Simulation
-from pipec.stagememory import StageMemory
-
-if TYPE_CHECKING:
-    from pipec.planning.choice import Decision
+from pipec.cost.hardware import Device
+from pipec.cost.model import Calibration, Training
+from pipec.cost.stage_memory import StageMemory
+from pipec.planning.simulate import Simulation
 
 
 @dataclass(frozen=True)
@@ -78,6 +74,17 @@ class Candidate:
     virtual_stages: int = 1
     replicas_inner: bool = False  # a position's replicas on neighbouring ranks
     fsdp: str = "off"  # sharded data parallelism: "zero2" or "zero3" (planning.sharding)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Why the plan won: the margin a more complex plan needed, and the closest alternative."""
+
+    margin: float
+    runner_up: Candidate | None  # None: no other plan fits
+    runner_up_relative: float  # its predicted step time ÷ the plan's − 1 (negative: faster)
+    # The runner-up predicts faster, but a plan simpler than it is within the margin.
+    kept_simpler: bool
 
 
 @dataclass(frozen=True)

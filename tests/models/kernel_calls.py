@@ -1,4 +1,4 @@
-"""Products and convolutions of several kinds (pipec.kernels): two equal Linears, two
+"""Products and convolutions of several kinds (pipec.frontend.kernels): two equal Linears, two
 convolutions that differ only in stride, and attention."""
 
 import torch
