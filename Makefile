@@ -12,7 +12,7 @@ export OMP_NUM_THREADS ?= 1
 # CUDA builds, which run on a CPU (about 4.5 GB a venv; pip caches their wheels).
 OTHER_TORCH ?= 2.11.0 2.14.1
 OTHER_VENVS = $(foreach version,$(OTHER_TORCH),$(CURDIR)/.venv-torch-$(version))
-# timm and torchvision, installed beside torch 2.14 for tests/test_vision_models.py and
+# timm and torchvision, installed beside torch 2.14 for tests/frontend/test_vision_models.py and
 # benchmarks/zoo.py: torchvision 0.29.1 loads there (0.28 does not beside the CPU 2.13 wheel).
 VISION = torchvision==0.29.1 timm==1.0.31
 

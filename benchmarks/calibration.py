@@ -26,10 +26,10 @@ from typing import Any
 import torch
 from tabulate import tabulate
 
-from pipec.calibrate import profile_model
-from pipec.calibrationfile import save_calibration
+from pipec.calibration.profile import profile_model
+from pipec.codegen.output_dir import emitted_modules
+from pipec.cost.calibration_file import save_calibration
 from pipec.driver import CompileOptions, compile_model
-from pipec.outdir import emitted_modules
 
 SAMPLES = Path(__file__).resolve().parent.parent / "samples"
 

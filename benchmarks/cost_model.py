@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 from tabulate import tabulate
 
-from pipec.annotate import CostGraph, annotate
-from pipec.calibrate import measured_saved_bytes
-from pipec.loader import load_model_file
-from pipec.trace import batch_inputs, trace_model
+from pipec.calibration.profile import measured_saved_bytes
+from pipec.frontend.annotate import CostGraph, annotate
+from pipec.frontend.loader import load_model_file
+from pipec.frontend.trace import batch_inputs, trace_model
 
 ROOT = Path(__file__).resolve().parent.parent
 ZOO = ROOT / "benchmarks" / "zoo"

@@ -36,7 +36,7 @@ from pathlib import Path
 from commands import PIPEC, ROOT, TORCHRUN, run
 from tabulate import tabulate
 
-from pipec.hardware import PRESETS, load_hardware
+from pipec.cost.hardware import PRESETS, load_hardware
 
 TARGET = 0.15
 RESIDENT_TARGET = 0.20  # a default run's resident size, heap included

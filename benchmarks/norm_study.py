@@ -13,7 +13,8 @@ computes them. Normalizations:
 
     python benchmarks/norm_study.py [--epochs 8] [--seeds 3] [--workers 2]
 
-writes docs/norm_study.json and docs/norm-study.png and prints the table of docs/norm-study.md.
+writes benchmarks/results/norm_study.json and benchmarks/results/norm-study.png and prints the
+table of docs/norm-study.md.
 """
 
 from __future__ import annotations
@@ -33,13 +34,13 @@ from tabulate import tabulate
 from torch import nn
 from torch.nn import functional as F
 
-from pipec.normalize import MAX_GROUPS
+from pipec.frontend.normalization import MAX_GROUPS
 
 NORMS = ("batchnorm-micro", "syncbn", "groupnorm", "none")
 MICRO_BATCHES = (2, 4, 8, 16, 32, 64)
 GLOBAL_BATCH = 64
 TEST_SIZE = 397  # the rest, 1,400 images, is the training set
-DOCS = Path(__file__).resolve().parent.parent / "docs"
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def largest_divisor(value: int, limit: int) -> int:
@@ -183,20 +184,20 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--replot", action="store_true",
-                        help="redraw the plot and table from docs/norm_study.json, no training")
+                        help="redraw the plot and table from results/norm_study.json, no training")
     args = parser.parse_args()
     if args.replot:
-        rows = json.loads((DOCS / "norm_study.json").read_text())["results"]
-        plot(rows, DOCS / "norm-study.png")
+        rows = json.loads((RESULTS / "norm_study.json").read_text())["results"]
+        plot(rows, RESULTS / "norm-study.png")
         print(table(rows))
         return
     started = time.perf_counter()
     rows = study(args.epochs, args.seeds, args.workers, lambda line: print(line, flush=True))
     config = {"global_batch": GLOBAL_BATCH, "epochs": args.epochs, "train_size": 1797 - TEST_SIZE,
               "test_size": TEST_SIZE, "optimizer": "sgd lr 0.05 momentum 0.9 wd 5e-4, cosine"}
-    (DOCS / "norm_study.json").write_text(json.dumps(
+    (RESULTS / "norm_study.json").write_text(json.dumps(
         {"dataset": "digits", "config": config, "results": rows}, indent=1) + "\n")
-    plot(rows, DOCS / "norm-study.png")
+    plot(rows, RESULTS / "norm-study.png")
     print(table(rows))
     print(f"{len(rows)} runs in {time.perf_counter() - started:.0f} s")
 

@@ -16,10 +16,10 @@ from pathlib import Path
 
 from tabulate import tabulate
 
-from pipec import planner
 from pipec.driver import CompileOptions, analyze
 from pipec.errors import InfeasibleError
-from pipec.planner import Plan
+from pipec.planning import planner
+from pipec.planning.planner import Plan
 
 ZOO = Path(__file__).resolve().parent / "zoo"
 SAMPLES = Path(__file__).resolve().parent.parent / "samples"

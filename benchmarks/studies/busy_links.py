@@ -2,7 +2,7 @@
 whose stages hold their core for a fixed time per action (spin) against the same pipeline whose
 stages give it up for that time (sleep), on two processes of one thread each.
 
-    python benchmarks/busy_links.py [--work-ms 2] [--micro-batches 8] [--rounds 3]
+    python benchmarks/studies/busy_links.py [--work-ms 2] [--micro-batches 8] [--rounds 3]
                                     [--tensors 1 2 4]
 
 Why: gloo's point-to-point send is a rendezvous. The receiver posts its receive and tells the
@@ -13,7 +13,7 @@ and so must the receiver's when the data lands. pipec's runtime probe times the 
 
 With ``--tensors K ...`` the boundary carries K tensors (4 floats in all per sample, split):
 torch's runtime sends each on its own, and the step's growth per extra tensor is what a
-boundary's tensor costs beyond the first (pipec.costmodel.boundary_s charges each the link's
+boundary's tensor costs beyond the first (pipec.cost.model.boundary_s charges each the link's
 latency).
 
 Each round times GPipe's and 1F1B's step (the median of 12 after 2 warm-ups) with spinning and

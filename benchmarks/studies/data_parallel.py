@@ -14,7 +14,7 @@ for the other process: the lead one takes on the other, which pipec charges too)
 the two: the machine's speed drifts by more than DDP's cost over a few seconds, so only steps
 side by side in time are compared.
 
-    python benchmarks/data_parallel.py [--micro-batch 4] [--pairs 10] [--seconds 10]
+    python benchmarks/studies/data_parallel.py [--micro-batch 4] [--pairs 10] [--seconds 10]
 """
 
 from __future__ import annotations
@@ -34,13 +34,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from commands import PIPEC, ROOT, run
 from tabulate import tabulate
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from pipec.loader import load_model_file
-from pipec.trace import batch_inputs
+from pipec.frontend.loader import load_model_file
+from pipec.frontend.trace import batch_inputs
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared helpers
+from commands import PIPEC, ROOT, run
 
 # wide_decoder is left out: 3.5 GiB of weights, measuring it alone takes over 20 minutes here.
 MODELS = (*(ROOT / "samples" / f"{name}.py" for name in ("mlp", "imbalanced", "gpt", "resnet")),

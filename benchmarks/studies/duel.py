@@ -10,7 +10,7 @@ and must train on the same number of processes. It prints each pair and then the
 (A's step ÷ B's) and a two-sided sign test (benchmarks/paired.py): the chance of pairs at
 least this lopsided if neither plan were faster.
 
-    python benchmarks/duel.py OUT_A OUT_B [--pairs 10] [--timed-s 5]
+    python benchmarks/studies/duel.py OUT_A OUT_B [--pairs 10] [--timed-s 5]
 """
 
 from __future__ import annotations
@@ -18,8 +18,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared helpers
 from fidelity import launch
 from paired import sign_p
 

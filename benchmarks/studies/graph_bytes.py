@@ -8,7 +8,7 @@ each node's activations (docs/cost-model.md). This script measures it per model:
 growth of the process's anonymous resident memory, with glibc serving blocks of 4 KiB or more
 with their own mappings as train.py --metrics does, and takes off the saved bytes pipec predicts.
 
-    python benchmarks/graph_bytes.py [--micro-batch 2] [--graphs 32] [MODEL ...]
+    python benchmarks/studies/graph_bytes.py [--micro-batch 2] [--graphs 32] [MODEL ...]
 """
 
 from __future__ import annotations
@@ -16,15 +16,18 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
+import sys
 from pathlib import Path
 
 import torch
-from commands import ROOT
 from tabulate import tabulate
 
-from pipec.annotate import annotate
-from pipec.loader import load_model_file
-from pipec.trace import batch_inputs, trace_model
+from pipec.frontend.annotate import annotate
+from pipec.frontend.loader import load_model_file
+from pipec.frontend.trace import batch_inputs, trace_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared helpers
+from commands import ROOT
 
 SAMPLES = ("samples/gpt.py", "samples/mlp.py", "samples/resnet.py")
 KIB = 1024

@@ -9,7 +9,7 @@ with their own mappings (as train.py --metrics does, so freed tensors leave), an
 growth of anonymous resident memory per forward call: matrix products (`F.linear`,
 `torch.matmul`), attention (`F.scaled_dot_product_attention`, two products) and convolutions.
 
-    python benchmarks/kernel_bytes.py [--shapes 8]
+    python benchmarks/studies/kernel_bytes.py [--shapes 8]
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from tabulate import tabulate
 
-from pipec.hardware import cpu_has_bf16_kernels
+from pipec.cost.hardware import cpu_has_bf16_kernels
 
 MIB = 2**20
 

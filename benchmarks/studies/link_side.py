@@ -2,7 +2,8 @@
 core for a fixed time per action, one stage slower than the other, sending one tensor of a few
 bytes or of several MiB per micro-batch; measured, then predicted by pipec's simulator two ways.
 
-    python benchmarks/link_side.py [--work-ms 4 8] [--mib 4] [--micro-batches 8] [--rounds 3]
+    python benchmarks/studies/link_side.py [--work-ms 4 8] [--mib 4] [--micro-batches 8]
+                                           [--rounds 3]
 
 Why: torch's runtime posts a send and goes on, and gloo's send is a rendezvous (it starts when
 the receiver asks). So a transfer delays its receiver, not its sender: where the receiver is
@@ -20,21 +21,24 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from busy_links import _Hold, join_pair, median_step_s, on_two_processes
-from commands import ROOT
 from tabulate import tabulate
 from torch import nn
 from torch.distributed import pipelining
 
-from pipec.hardware import Device, action_s, load_devices
-from pipec.measured import measure_locally
-from pipec.simulate import simulate
+from pipec.calibration.by_default import measure_locally
+from pipec.cost.hardware import Device, action_s, load_devices
+from pipec.planning.simulate import simulate
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared helpers
+from busy_links import _Hold, join_pair, median_step_s, on_two_processes
+from commands import ROOT
 
 Config = tuple[float, float, int]  # stage 0's and stage 1's ms per action, bytes a micro-batch
 

@@ -22,8 +22,9 @@ Each plan's stage boundaries are pinned to the run's (`boundaries` in the JSON, 
 fifteenth session's runs; `pipec compile --boundaries`). An older run's are solved again: where
 the model's change moves them, the plan compiled is not quite the plan measured (marked *).
 
-    python benchmarks/repredict.py docs/fidelity.json [MORE.json ...] [--only NAME ...]
-                                   [--cache DIR] [--margins PERCENT ...] [--json FILE]
+    python benchmarks/studies/repredict.py benchmarks/results/fidelity.json [MORE.json ...]
+                                           [--only NAME ...] [--cache DIR]
+                                           [--margins PERCENT ...] [--json FILE]
 """
 
 from __future__ import annotations
@@ -36,17 +37,20 @@ import math
 import os
 import re
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from commands import ROOT
-from fidelity import CASES
-from fidelity_report import BASELINES, between_plans
 from tabulate import tabulate
 
 from pipec.cli import main as pipec
 from pipec.planning.choice import MEASURED_MARGIN, complexity, simplest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared helpers
+from commands import ROOT
+from fidelity import CASES
+from fidelity_report import BASELINES, between_plans
 
 _LABEL = re.compile(r"(\d+)×(\d+), m (\d+), ([\w-]+)(?: v=(\d+))?(?:, FSDP ([\w-]+))?$")
 
