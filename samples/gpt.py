@@ -5,6 +5,7 @@ from torch import nn
 from torch.nn import functional as F
 
 VOCAB, CONTEXT, WIDTH, HEADS, LAYERS = 256, 32, 64, 4, 4
+TOKENS_PER_SAMPLE = CONTEXT  # what train.py's logged tokens/s counts
 
 
 class Attention(nn.Module):

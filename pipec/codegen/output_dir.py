@@ -66,7 +66,7 @@ def _replace(staging: Path, out: Path) -> None:
 
 
 _EMITTED = ("model", "stages", "weights", "checkpoints", "metrics", "data", "gradients",
-            "pipeline", "logs", "torch_compat")
+            "pipeline", "logs", "torch_compat", "evaluation")
 
 
 @contextlib.contextmanager

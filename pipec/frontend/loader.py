@@ -14,6 +14,7 @@ from typing import Any
 from pipec.errors import ModelFileError
 
 REQUIRED = ("build_model", "sample_batch")
+OPTIONAL_FUNCTIONS = ("loss_fn", "train_dataset", "eval_dataset", "eval_metrics")
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ def load_model_file(path: str | Path) -> ModelSpec:
                 f"{path}: no function {name}() found; a model file defines "
                 "build_model() -> nn.Module and sample_batch(batch_size) -> (inputs, targets)"
             )
+    _check_optional(path, module)
     return ModelSpec(
         path=path,
         source=path.read_bytes(),
@@ -52,6 +54,19 @@ def load_model_file(path: str | Path) -> ModelSpec:
         has_loss_fn=callable(getattr(module, "loss_fn", None)),
         has_train_dataset=callable(getattr(module, "train_dataset", None)),
     )
+
+
+def _check_optional(path: Path, module: ModuleType) -> None:
+    """The optional names, where the file defines them: functions, and a positive token count."""
+    for name in OPTIONAL_FUNCTIONS:
+        if hasattr(module, name) and not callable(getattr(module, name)):
+            raise ModelFileError(f"{path}: {name} is not a function; define {name}() "
+                                 "(docs/models.md) or remove the name")
+    tokens = getattr(module, "TOKENS_PER_SAMPLE", None)
+    if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int)
+                               or tokens < 1):
+        raise ModelFileError(f"{path}: TOKENS_PER_SAMPLE = {tokens!r}; give the tokens one "
+                             "sample holds as a positive integer (for the logged tokens/s)")
 
 
 def _import(path: Path) -> ModuleType:

@@ -18,9 +18,9 @@ PLAN_KEYS = {"gpus", "nodes", "pp", "dp", "global_batch", "micro_batch", "num_mi
              "schedule", "hardware", "stages", "predicted", "baselines", "norm_rewrites"}
 STAGE_KEYS = {"index", "modules", "params", "fwd_flops", "bwd_flops", "activation_bytes",
               "memory_bytes", "time_s", "boundary_bytes"}
-FILES = ["checkpoints.py", "data.py", "gradients.py", "launch.sh", "launch.slurm", "logs.py",
-         "metrics.py", "model.py", "pipeline.py", "plan.json", "report.md", "stages.py",
-         "timeline.svg", "torch_compat.py", "train.py", "weights.py"]
+FILES = ["checkpoints.py", "data.py", "evaluation.py", "gradients.py", "launch.sh",
+         "launch.slurm", "logs.py", "metrics.py", "model.py", "pipeline.py", "plan.json",
+         "report.md", "stages.py", "timeline.svg", "torch_compat.py", "train.py", "weights.py"]
 
 
 def tree(path: Path) -> dict[str, bytes]:
@@ -50,7 +50,8 @@ def test_compiling_twice_gives_identical_bytes(tmp_path: Path) -> None:
 def test_emitted_script_imports_no_pipec(tmp_path: Path) -> None:
     compile_to(SAMPLES / "resnet.py", tmp_path / "out", gpus=2, batch_size=16)
     for name in ("train.py", "stages.py", "weights.py", "checkpoints.py", "metrics.py",
-                 "data.py", "gradients.py", "pipeline.py", "torch_compat.py", "logs.py"):
+                 "data.py", "evaluation.py", "gradients.py", "pipeline.py", "torch_compat.py",
+                 "logs.py"):
         text = (tmp_path / "out" / name).read_text()
         assert "import pipec" not in text and "from pipec" not in text
         compile(text, name, "exec")
@@ -107,5 +108,5 @@ def test_wheel_contains_the_templates(tmp_path: Path) -> None:
     for template in ("train.py.j2", "stages.py.j2", "weights.py.j2", "checkpoints.py.j2",
                      "metrics.py.j2", "data.py.j2", "gradients.py.j2", "pipeline.py.j2",
                      "torch_compat.py.j2", "report.md.j2", "launch.sh.j2", "launch.slurm.j2",
-                     "logs.py.j2"):
+                     "logs.py.j2", "evaluation.py.j2"):
         assert f"pipec/templates/{template}" in names

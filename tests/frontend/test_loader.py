@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -73,3 +74,17 @@ def test_sample_batch_must_return_inputs_and_targets(tmp_path: Path, returned: s
                                  f"def sample_batch(b):\n    return {returned}\n"))
     with pytest.raises(ModelFileError, match="sample_batch"):
         batch_inputs(spec, 2)
+
+
+@pytest.mark.parametrize(("line", "message"), [
+    ("eval_dataset = [1, 2]", "eval_dataset is not a function"),
+    ("eval_metrics = 'accuracy'", "eval_metrics is not a function"),
+    ("TOKENS_PER_SAMPLE = 0", "TOKENS_PER_SAMPLE = 0; give the tokens one sample holds"),
+    ("TOKENS_PER_SAMPLE = 12.5", "TOKENS_PER_SAMPLE = 12.5"),
+])
+def test_optional_names_of_the_wrong_kind_are_user_errors(line: str, message: str,
+                                                         tmp_path: Path) -> None:
+    model = tmp_path / "model.py"
+    model.write_text((SAMPLES / "mlp.py").read_text() + f"\n{line}\n")
+    with pytest.raises(ModelFileError, match=re.escape(message)):
+        load_model_file(model)

@@ -45,7 +45,8 @@ def test_train_py_passes_ruff(name: str, outputs: dict[str, Path]) -> None:
     result = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "--config",
                              str(ROOT / "pyproject.toml"), "--output-format", "concise",
                              "train.py", "weights.py", "checkpoints.py", "metrics.py",
-                             "data.py", "gradients.py", "pipeline.py", "torch_compat.py",
+                             "data.py", "evaluation.py", "gradients.py", "pipeline.py",
+                             "torch_compat.py",
                              "logs.py"],
                             cwd=outputs[name], capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SAMPLES, compile_to, losses_of, run_forked_text
+from conftest import MODELS, SAMPLES, compile_to, losses_of, run_forked_text
 
 FIGURES = {"loss", "lr", "samples_per_s", "mfu", "peak_memory_mib", "time_left_s"}
 
@@ -40,3 +40,33 @@ def test_each_step_line_says_the_time_left(tmp_path: Path) -> None:
     step_lines = [line for line in printed.splitlines() if line.startswith("step ")]
     assert len(step_lines) == 3 and step_lines[-1].endswith(" left 0:00")
     assert all(" left " in line for line in step_lines)
+
+
+def test_held_out_figures_go_to_eval_jsonl_and_eval_scalars(tmp_path: Path) -> None:
+    event_accumulator = pytest.importorskip(
+        "tensorboard.backend.event_processing.event_accumulator")
+    compile_to(MODELS / "digits_eval.py", tmp_path / "o", gpus=1, batch_size=64)
+    printed = run_forked_text(tmp_path / "o", 1, "--steps", "4", "--eval-every", "2",
+                              "--log-dir", str(tmp_path / "logs"))
+    lines = [json.loads(line) for line in (tmp_path / "logs" / "eval.jsonl").read_text()
+             .splitlines()]
+    assert [line["step"] for line in lines] == [2, 4]
+    assert all(set(line) == {"step", "loss", "accuracy"} for line in lines)
+    accuracy = lines[1]["accuracy"]
+    assert f"held-out after step 4 (4 global batches): accuracy {accuracy:.6f}" in printed
+    events = event_accumulator.EventAccumulator(str(tmp_path / "logs"))
+    events.Reload()
+    assert {"eval/loss", "eval/accuracy", "train/loss"} <= set(events.Tags()["scalars"])
+    assert [event.step for event in events.Scalars("eval/loss")] == [2, 4]
+
+
+def test_tokens_per_second_where_the_model_file_says_what_a_sample_holds(
+        tmp_path: Path) -> None:
+    compile_to(SAMPLES / "gpt.py", tmp_path / "o", gpus=1, batch_size=8)
+    printed = run_forked_text(tmp_path / "o", 1, "--steps", "2", "--log-dir",
+                              str(tmp_path / "logs"))
+    lines = [json.loads(line) for line in (tmp_path / "logs" / "steps.jsonl").read_text()
+             .splitlines()]
+    assert all(line["tokens_per_s"] == pytest.approx(32 * line["samples_per_s"])
+               for line in lines)  # samples/gpt.py: TOKENS_PER_SAMPLE = CONTEXT = 32
+    assert all(" tokens/s " in line for line in printed.splitlines() if line.startswith("step "))
