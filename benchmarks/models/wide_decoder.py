@@ -33,11 +33,11 @@ class Block(nn.Module):
 
 
 class Decoder(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, layers: int = LAYERS) -> None:
         super().__init__()
         self.tokens = nn.Embedding(VOCAB, WIDTH)
         self.positions = nn.Embedding(CONTEXT, WIDTH)
-        self.blocks = nn.Sequential(*[Block() for _ in range(LAYERS)])
+        self.blocks = nn.Sequential(*[Block() for _ in range(layers)])
         self.ln_f = nn.LayerNorm(WIDTH)
         self.head = nn.Linear(WIDTH, VOCAB, bias=False)
         self.register_buffer("position_ids", torch.arange(CONTEXT), persistent=False)

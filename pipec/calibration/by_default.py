@@ -12,18 +12,21 @@ cache and measures nothing. The cache lives in ``$PIPEC_CACHE_DIR``, else
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
 import os
 import platform
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
+from pipec.calibration.blocks import largest_size, measuring_plan, profile_by_blocks
+from pipec.calibration.heap import set_training_heap
 from pipec.calibration.probe import RuntimeFigures, probe_runtime
 from pipec.calibration.profile import PROFILE_SIZES, profile_model
 from pipec.calibration.runtime_fit import blocking_fit, data_parallel_fit, runtime_action_fit
@@ -31,12 +34,15 @@ from pipec.cost.calibration_file import load_calibration, save_calibration
 from pipec.cost.hardware import Device
 from pipec.cost.model import Calibration
 from pipec.errors import ConfigError, PipecError
-from pipec.frontend.annotate import CostGraph
+from pipec.frontend.annotate import CostGraph, annotate
+from pipec.frontend.loader import load_model_file
+from pipec.frontend.trace import trace_model
 from pipec.units import gib
 
 log = logging.getLogger(__name__)
 
 MEASURE_CHOICES = ("auto", "off")
+BY_BLOCKS = "block by block"
 # The compute times' cache: bump when what is measured for them, or how, changes.
 CACHE_VERSION = 17
 # The runtime probe's (pipec.calibration.probe), bumped apart so that the compute times can stay
@@ -108,11 +114,16 @@ def _compute_times(model: Path, target: Target, graph: CostGraph | None = None
     cached = _read(path)
     if cached is not None:
         log.debug("compute times of %s on this machine: read from the cache %s", model, path)
-        return replace(cached, source=_source(target, path, cached.contention))
-    if graph is not None and not _fits_here(model, graph, target):
-        return None
+        return replace(cached, source=_source(target, path, cached.contention,
+                                               BY_BLOCKS in cached.source))
+    measure: Callable[[], Calibration] = functools.partial(_measure, model, target)
+    if graph is not None and not _fits_here(graph, target):
+        by_blocks = _block_measure(model, graph, target)
+        if by_blocks is None:
+            return None
+        measure = by_blocks
     try:
-        measured = _measure(model, target)
+        measured = measure()
     except PipecError as exc:
         log.warning("could not measure %s here (%s); planning from the preset", model, exc)
         return None
@@ -121,7 +132,8 @@ def _compute_times(model: Path, target: Target, graph: CostGraph | None = None
                     "--measure off)", model, type(exc).__name__, exc)
         return None
     _write(measured, path)
-    return replace(measured, source=_source(target, path, measured.contention))
+    return replace(measured, source=_source(target, path, measured.contention,
+                                            BY_BLOCKS in measured.source))
 
 
 def _runtime(target: Target, processes: int) -> RuntimeFigures | None:
@@ -266,16 +278,56 @@ def free_bytes(device_type: str) -> float:
 PROFILE_MEMORY_SHARE = 0.7
 
 
-def _fits_here(model: Path, graph: CostGraph, target: Target) -> bool:
-    needed, free = profile_bytes(graph, target.max_micro_batch), free_bytes(target.device_type)
-    if needed <= PROFILE_MEMORY_SHARE * free:
-        return True
-    log.warning("not measuring %s here: its passes would hold the whole model, %s with its "
-                "gradients and activations at micro-batch %d, and this %s has %s free; planning "
-                "from the preset (--measure off says so without checking)", model, gib(needed),
-                target.max_micro_batch, "GPU" if target.device_type == "cuda" else "host",
-                gib(free))
-    return False
+def _fits_here(graph: CostGraph, target: Target) -> bool:
+    needed = profile_bytes(graph, target.max_micro_batch)
+    return needed <= PROFILE_MEMORY_SHARE * free_bytes(target.device_type)
+
+
+def _block_measure(model: Path, graph: CostGraph, target: Target
+                   ) -> Callable[[], Calibration] | None:
+    """Where the whole model would not fit: measuring it block by block (pipec.calibration.
+    blocks), or None, with a warning that says why, where that does not fit either (the
+    preset's roofline stands)."""
+    free = free_bytes(target.device_type)
+    where = "GPU" if target.device_type == "cuda" else "host"
+    needed = profile_bytes(graph, target.max_micro_batch)
+    why = (f"its passes would hold the whole model, {gib(needed)} with its gradients and "
+           f"activations at micro-batch {target.max_micro_batch}, and this {where} has "
+           f"{gib(free)} free")
+    plan = measuring_plan(graph)
+    sizes = [s for s in PROFILE_SIZES if s <= target.max_micro_batch] or [target.max_micro_batch]
+    fitting = [] if plan is None else largest_size(graph, plan, sizes, PROFILE_MEMORY_SHARE * free)
+    if plan is None or not fitting:
+        log.warning("not measuring %s here: %s, and %s; planning from the preset (--measure off "
+                    "says so without checking)", model, why,
+                    "its graph has no run of identical blocks to time one at a time"
+                    if plan is None else "even its largest span at micro-batch 1 would not fit")
+        return None
+    log.info("measuring %s block by block: %s. Its %d identical blocks (%s.0 to %s.%d) are "
+             "timed once, on the first, with what comes before and after them, at micro-batch "
+             "sizes up to %d", model, why, len(plan.blocks.starts), plan.blocks.container,
+             plan.blocks.container, len(plan.blocks.starts) - 1, fitting[-1])
+    return functools.partial(_measure_blocks, model, target, fitting)
+
+
+def _measure_blocks(model: Path, target: Target, sizes: list[int]) -> Calibration:
+    device = torch.device(target.device_type)
+    started = time.perf_counter()
+    with _threads(target.threads):
+        if device.type == "cpu":
+            set_training_heap()
+        spec = load_model_file(model)
+        traced = trace_model(spec, target.frontend, device.type)
+        graph = annotate(traced, spec, bf16_memory=False)
+        plan = measuring_plan(graph)
+        if plan is None:
+            raise ConfigError(f"{model}: the traced graph has no run of identical blocks")
+        calibration = profile_by_blocks(spec, traced, graph, plan, sizes, device, REPEATS,
+                                        target.precision == "bf16", MIN_SECONDS,
+                                        target.processes)
+    log.info("measured %d nodes block by block in %.1f s", len(calibration.nodes),
+             time.perf_counter() - started)
+    return replace(calibration, source=f"pipec profile, {BY_BLOCKS}")
 
 
 @contextlib.contextmanager
@@ -311,10 +363,12 @@ def _write(calibration: Calibration, path: Path) -> None:
         log.warning("could not cache the measurement in %s (%s)", path, exc)
 
 
-def _source(target: Target, path: Path, contention: float) -> str:
+def _source(target: Target, path: Path, contention: float, by_blocks: bool = False) -> str:
     """The same whether this compile measured or read the cache: compiling twice gives
     identical files."""
     threads = f"{target.threads} thread{'' if target.threads == 1 else 's'}"
     side = (f", × {contention:.2f} with {target.processes} processes computing side by side,"
             " faster where fewer compute" if target.processes > 1 else "")
-    return f"measured on this machine ({target.device_name}, {threads}{side}; cached in {path})"
+    blocks = "block by block, " if by_blocks else ""
+    return (f"measured on this machine ({blocks}{target.device_name}, {threads}{side}; cached "
+            f"in {path})")
