@@ -3,6 +3,7 @@
 | module | owns |
 |---|---|
 | ``by_default.py`` | ``--measure auto``: time the model here once and cache it |
+| ``blocks.py`` | a model too large to build whole, timed block by block |
 | ``profile.py`` | ``pipec profile``: per-node times at several micro-batch sizes, and their fits |
 | ``step_times.py`` | the loss, the data and the optimizer a step runs besides the model |
 | ``split_backward_times.py`` | what a zero-bubble schedule's split backward adds |
