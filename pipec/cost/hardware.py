@@ -42,6 +42,11 @@ class Device:
     runtime_bytes: float = 0.0
     # Fraction of the rest lost to the allocator's fragmentation (reserved but not allocated).
     fragmentation: float = 0.0
+    # Per operator class, the fraction of peak FLOP/s its kernels reach where it differs from
+    # ``efficiency`` (None: ``efficiency``): matrix products and convolutions, and fused
+    # attention. A small kernel's lower rate comes from kernel_overhead_s, paid per node.
+    matmul_efficiency: float | None = None
+    attention_efficiency: float | None = None
     # "cuda" or "cpu": the backend the emitted script runs on it (its autocast rules; whether
     # data made on the host sits in the device's memory).
     device_type: str = "cuda"
@@ -132,6 +137,14 @@ _CUBLAS_WORKSPACE = {True: 32 * MIB, False: (2 * 4096 + 8 * 16) * 1024}
 # and NCCL versions more than on the chip, so every GPU preset takes these figures.
 _GPU_PROCESS_BYTES = 1177 * MIB
 _GPU_FRAGMENTATION = 0.10
+# Kernel efficiency by operator class on the GPU presets, from published figures, not yet
+# measured by pipec: cuBLAS's large bf16/TF32 products reach 70-80 % of peak on A100 and H100
+# (NVIDIA's cuBLAS benchmarks); FlashAttention-2 reaches 50-73 % forward and 63 % backward on
+# an A100 (Dao, 2023) and 35 % on an H100 (Shah et al., 2024, FlashAttention-3); the rest is
+# bound by memory, where ``efficiency`` hardly matters. benchmarks/gpu_check.sh's step_time
+# phase measures how the three figures predict.
+_GPU_MATMUL_EFFICIENCY = 0.75
+_GPU_ATTENTION_EFFICIENCY = 0.5
 
 
 def action_s(devices: tuple[Device, ...] | list[Device], schedule: str) -> float:
@@ -157,7 +170,8 @@ def _gpu(name: str, fp32: float, bf16: float, bandwidth_gbs: float, memory_gib: 
     return Device(name, fp32 * TFLOPS, bf16 * TFLOPS, bandwidth_gbs * GB, memory_gib * GIB,
                   link_gbs * GB, 25 * GB, 2e-6, 5e-6, kernel_overhead_s=8e-6, efficiency=0.6,
                   process_bytes=_GPU_PROCESS_BYTES, runtime_bytes=2 * _CUBLAS_WORKSPACE[hopper],
-                  fragmentation=_GPU_FRAGMENTATION)
+                  fragmentation=_GPU_FRAGMENTATION, matmul_efficiency=_GPU_MATMUL_EFFICIENCY,
+                  attention_efficiency=_GPU_ATTENTION_EFFICIENCY)
 
 
 PRESETS: dict[str, Device] = {
@@ -223,7 +237,7 @@ def _from_json(path: Path) -> Device:
         raise ConfigError(f"hardware file {path}: {exc}") from None
     names = [f.name for f in fields(Device)]
     optional = [f.name for f in fields(Device) if f.default is not MISSING]
-    missing = [n for n in names if n not in data and n not in optional]
+    missing = [n for n in names if data.get(n) is None and n not in optional]
     if missing:
         raise ConfigError(f"hardware file {path}: missing {', '.join(missing)}; a device needs "
                           f"{', '.join(n for n in names if n not in optional)} (optional: "
@@ -233,11 +247,11 @@ def _from_json(path: Path) -> Device:
         raise ConfigError(f"hardware file {path}: device_type {device_type!r}; use cuda or cpu")
     try:
         # schedule_action_s: {"interleaved": seconds, ...}; relay_slowdowns: a list; the
-        # others numbers.
+        # others numbers (null: the default, for the per-class efficiencies).
         values: dict[str, Any] = {n: float(data[n]) for n in names
                                   if n not in ("name", "device_type", "schedule_action_s",
                                                "relay_slowdowns", "replica_collectives")
-                                  and n in data}
+                                  and data.get(n) is not None}
         values["relay_slowdowns"] = tuple(float(v) for v in data.get("relay_slowdowns", ()))
         # replica_collectives: [[replicas, wait s, bandwidth B/s, per tensor s], ...]
         values["replica_collectives"] = tuple(

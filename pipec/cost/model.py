@@ -199,10 +199,22 @@ class NodeArrays:
         return sent
 
 
+def node_efficiency(node: NodeCost, device: Device) -> float:
+    """The fraction of peak FLOP/s ``node``'s kernels reach on ``device``: fused attention's,
+    a product's or a convolution's where the device has a figure of its own, else its one
+    figure (Device.efficiency)."""
+    if device.attention_efficiency is not None and "scaled_dot_product" in node.target:
+        return device.attention_efficiency
+    kinds = {calls[0][0] for calls in node.kernels}
+    if device.matmul_efficiency is not None and kinds & {"matmul", "conv"}:
+        return device.matmul_efficiency
+    return device.efficiency
+
+
 def node_arrays(graph: CostGraph, device: Device, micro_batch: int, training: Training,
                 calibration: Calibration | None = None) -> NodeArrays:
-    flops_rate = device.efficiency * (device.bf16_flops if training.precision == "bf16"
-                                      else device.fp32_flops)
+    peak = device.bf16_flops if training.precision == "bf16" else device.fp32_flops
+    flops_rate = peak * np.array([node_efficiency(n, device) for n in graph.nodes])
     bf16 = training.precision == "bf16"
     fwd_flops = np.array([n.fwd_flops.at(micro_batch) for n in graph.nodes])
     bwd_flops = np.array([n.bwd_flops.at(micro_batch) for n in graph.nodes])

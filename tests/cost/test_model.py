@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from conftest import SAMPLES
 from pipec.cost.hardware import PRESETS
 from pipec.cost.kernel_cache import KernelRuns
-from pipec.cost.model import NodeArrays, Training, boundary_s, node_arrays
+from pipec.cost.model import NodeArrays, Training, boundary_s, node_arrays, node_efficiency
 from pipec.cost.stage_memory import StageRole, ends_bytes, stage_memory, working_bytes
 from pipec.frontend.annotate import annotate
 from pipec.frontend.loader import load_model_file
@@ -220,3 +220,27 @@ def test_each_tensor_of_a_boundary_pays_the_links_latency() -> None:
     counted = boundary_s(cut_bytes, device, False, np.array([1.0, 1.0, 3.0, 1.0]))
     assert counted[2] - counted[1] == pytest.approx(2 * 2 * latency)
     assert counted[1] == one_each[1] and counted[0] == counted[3] == 0.0
+
+
+def test_gpu_presets_rate_products_attention_and_the_rest_apart() -> None:
+    """On a GPU preset a Linear runs at the products' efficiency, fused attention at its own,
+    a LayerNorm at the device's one figure; the CPU preset has one figure for all, and the
+    compute time of a product scales with it."""
+    spec = load_model_file(SAMPLES / "gpt.py")
+    graph = annotate(trace_model(spec, "fx", "meta"), spec)
+    gpu, cpu = PRESETS["h200"], PRESETS["cpu"]
+    by_kind = {}
+    for node in graph.nodes:
+        kind = ("attention" if "scaled_dot_product" in node.target
+                else node.module.rsplit(".", 1)[-1] if node.op == "call_module" else None)
+        if kind is not None:
+            by_kind.setdefault(kind, set()).add(node_efficiency(node, gpu))
+    assert by_kind["attention"] == {0.5} and by_kind["qkv"] == {0.75}
+    assert by_kind["head"] == {0.75} and by_kind["ln1"] == {gpu.efficiency}
+    assert {node_efficiency(n, cpu) for n in graph.nodes} == {cpu.efficiency}
+    training = Training()
+    faster = replace(gpu, matmul_efficiency=1.0, kernel_overhead_s=0.0)
+    slower = replace(gpu, matmul_efficiency=0.5, kernel_overhead_s=0.0)
+    head = next(i for i, n in enumerate(graph.nodes) if n.module == "head")
+    times = [node_arrays(graph, d, 64, training).fwd_s[head] for d in (faster, slower)]
+    assert times[1] == pytest.approx(2 * times[0])
