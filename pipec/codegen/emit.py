@@ -32,13 +32,14 @@ from pipec.codegen.report import (
 )
 from pipec.codegen.split import Boundary, Staged
 from pipec.cost.hardware import action_s
-from pipec.cost.model import usable_memory
+from pipec.cost.model import rank_of, usable_memory
 from pipec.errors import ModelFileError
 from pipec.frontend.loader import ModelSpec
 from pipec.frontend.normalization import NormPlan, to_group_norm_source
 from pipec.frontend.trace import Traced
 from pipec.planning.evaluate import group_figures_used
 from pipec.planning.planner import Plan, PlanRequest
+from pipec.planning.points import Layout, communicators
 from pipec.planning.schedules import SCHEDULE_CLASSES, ZERO_BUBBLE
 from pipec.torchcompat import SUPPORTED_PIP, SUPPORTED_TORCH
 from pipec.units import duration, gib, module_list
@@ -207,8 +208,19 @@ def _report_context(plan: Plan, norms: NormPlan) -> dict[str, Any]:
         "num_fitting": sum(c.feasible for c in plan.candidates),
         "max_batch_limit": f"{plan.max_batch_limit:,}",
         "predicted_peak": gib(max(plan.device_memory_bytes)),
-        "device_memory": gib(min(usable_memory(d) for d in plan.request.devices)),
+        "device_memory": gib(usable_on_fullest(plan)),
     }
+
+
+def usable_on_fullest(plan: Plan) -> float:
+    """The usable memory of the device whose predicted peak is highest: its communicators
+    (pipec.planning.points.communicators) counted."""
+    layout = Layout(plan.pp, plan.dp, plan.virtual_stages, plan.schedule == "zbv",
+                    plan.replicas_inner, plan.fsdp)
+    position = max(range(plan.pp), key=lambda p: plan.device_memory_bytes[p])
+    ranks = [rank_of(position, r, plan.pp, plan.dp, plan.replicas_inner) for r in range(plan.dp)]
+    return min(usable_memory(plan.request.devices[r], *communicators(layout, position))
+               for r in ranks)
 
 
 # A constant the traced code made is written into stages.py as a literal up to this many values.

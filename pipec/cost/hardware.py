@@ -47,6 +47,11 @@ class Device:
     # attention. A small kernel's lower rate comes from kernel_overhead_s, paid per node.
     matmul_efficiency: float | None = None
     attention_efficiency: float | None = None
+    # Held outside the allocator by each communicator a rank uses beyond the one process_bytes
+    # counts (NCCL: one per process group and one per pair of ranks that send to each other):
+    # a two-rank communicator, and one of more ranks.
+    communicator_bytes: float = 0.0
+    group_communicator_bytes: float = 0.0
     # "cuda" or "cpu": the backend the emitted script runs on it (its autocast rules; whether
     # data made on the host sits in the device's memory).
     device_type: str = "cuda"
@@ -145,6 +150,12 @@ _GPU_FRAGMENTATION = 0.10
 # phase measures how the three figures predict.
 _GPU_MATMUL_EFFICIENCY = 0.75
 _GPU_ATTENTION_EFFICIENCY = 0.5
+# Each further NCCL communicator's memory, outside the allocator: 544 MiB for a two-rank group
+# and 688 MiB for a larger one, on four A100s over NVLink (NVIDIA/nccl#964); NCCL's buffers
+# grow with its channels, so they differ by link and version. Not yet measured by pipec:
+# benchmarks/gpu_check.sh's communicators phase does.
+_NCCL_PAIR_BYTES = 544 * MIB
+_NCCL_GROUP_BYTES = 688 * MIB
 
 
 def action_s(devices: tuple[Device, ...] | list[Device], schedule: str) -> float:
@@ -171,7 +182,8 @@ def _gpu(name: str, fp32: float, bf16: float, bandwidth_gbs: float, memory_gib: 
                   link_gbs * GB, 25 * GB, 2e-6, 5e-6, kernel_overhead_s=8e-6, efficiency=0.6,
                   process_bytes=_GPU_PROCESS_BYTES, runtime_bytes=2 * _CUBLAS_WORKSPACE[hopper],
                   fragmentation=_GPU_FRAGMENTATION, matmul_efficiency=_GPU_MATMUL_EFFICIENCY,
-                  attention_efficiency=_GPU_ATTENTION_EFFICIENCY)
+                  attention_efficiency=_GPU_ATTENTION_EFFICIENCY,
+                  communicator_bytes=_NCCL_PAIR_BYTES, group_communicator_bytes=_NCCL_GROUP_BYTES)
 
 
 PRESETS: dict[str, Device] = {

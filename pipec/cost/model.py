@@ -343,10 +343,14 @@ def static_ratio(training: Training) -> float:
             + AUTOCAST_COPY_RATIO[training.precision])
 
 
-def usable_memory(device: Device) -> float:
+def usable_memory(device: Device, pairs: int = 0, groups: int = 0) -> float:
     """What a device has for the model's terms and the runtime's: its memory less what each
-    process holds before training (context, communicators) and the allocator's fragmentation."""
-    return (device.memory_bytes - device.process_bytes) * (1 - device.fragmentation)
+    process holds before training (context, its first communicator), the further
+    communicators its rank uses (``pairs`` of two ranks, ``groups`` of more) and the
+    allocator's fragmentation."""
+    outside = (device.process_bytes + pairs * device.communicator_bytes
+               + groups * device.group_communicator_bytes)
+    return (device.memory_bytes - outside) * (1 - device.fragmentation)
 
 
 def allreduce_bandwidth(device: Device) -> float:

@@ -10,9 +10,10 @@ import pytest
 
 from conftest import SAMPLES, compile_to
 from pipec.cost.hardware import PRESETS
-from pipec.cost.model import data_parallel_collectives
+from pipec.cost.model import data_parallel_collectives, usable_memory
 from pipec.errors import ConfigError, InfeasibleError
 from pipec.planning.choice import ROOFLINE_MARGIN
+from pipec.planning.points import Layout, communicators
 
 
 def _small_device(tmp_path: Path, mebibytes: float, flops: float = 1e12) -> str:
@@ -579,3 +580,23 @@ def test_a_synchronized_batch_norm_pays_the_measured_blocking_wait(tmp_path: Pat
                                                              "drift_s_per_sqrt_s": 0.01}
     assert "1.000 ms + 0.316 ms × √(milliseconds of compute since the one before), as " \
         "measured on this machine" in (tmp_path / "out" / "report.md").read_text()
+
+
+@pytest.mark.parametrize(("layout", "position", "expected"), [
+    (Layout(1, 8), 0, (0, 0)),  # data parallelism over the whole job: the default group
+    (Layout(4, 1), 0, (1, 0)),  # the first of a pipeline: one neighbour
+    (Layout(4, 1), 2, (2, 0)),
+    (Layout(2, 4), 1, (2, 1)),  # its neighbour, the pipeline group of 2, the replicas' of 4
+    (Layout(4, 2, virtual=2), 0, (3, 1)),  # interleaved: the loop's wrap is a neighbour too
+    (Layout(4, 1, virtual=2, v_shape=True), 3, (1, 0)),  # ZB-V's turn stays on its device
+])
+def test_communicators_a_rank_holds(layout: Layout, position: int,
+                                    expected: tuple[int, int]) -> None:
+    assert communicators(layout, position) == expected
+
+
+def test_every_further_communicator_takes_from_a_gpu_s_usable_memory() -> None:
+    gpu = PRESETS["a100-80g"]
+    assert usable_memory(gpu) - usable_memory(gpu, 2, 1) == pytest.approx(
+        (2 * gpu.communicator_bytes + gpu.group_communicator_bytes) * (1 - gpu.fragmentation))
+    assert usable_memory(PRESETS["cpu"], 2, 1) == usable_memory(PRESETS["cpu"])
