@@ -139,20 +139,20 @@ def made_on(span: Span, device: torch.device) -> fx.GraphModule:
 
 
 @dataclass(frozen=True)
-class Plan:
+class SpanPlan:
     """What per-block measuring times: the spans before, of the first block and after."""
 
     blocks: Blocks
     spans: tuple[tuple[int, int], ...]  # (start, end) node positions: before, block, after
 
 
-def measuring_plan(graph: CostGraph) -> Plan | None:
+def measuring_plan(graph: CostGraph) -> SpanPlan | None:
     blocks = repeated_blocks(graph)
     if blocks is None:
         return None
     first = blocks.starts[0]
     spans = ((0, first), (first, first + blocks.length), (blocks.end, len(graph.nodes)))
-    return Plan(blocks, spans)
+    return SpanPlan(blocks, spans)
 
 
 def span_bytes(graph: CostGraph, span: tuple[int, int], micro_batch: int) -> float:
@@ -163,7 +163,7 @@ def span_bytes(graph: CostGraph, span: tuple[int, int], micro_batch: int) -> flo
                 for n in nodes) + sum(n.output_bytes.at(micro_batch) for n in nodes[-1:]))
 
 
-def profile_by_blocks(spec: ModelSpec, traced: Traced, graph: CostGraph, plan: Plan,
+def profile_by_blocks(spec: ModelSpec, traced: Traced, graph: CostGraph, plan: SpanPlan,
                       sizes: list[int], device: torch.device, repeats: int, bf16: bool,
                       min_seconds: float, processes: int) -> Calibration:
     """The model's times per node, measured span by span (``plan``) at ``sizes``."""
@@ -210,7 +210,7 @@ def _targets(spec: ModelSpec, sizes: list[int]) -> dict[int, Any]:
     return {size: batch_inputs(spec, size)[1] for size in sizes}
 
 
-def _span_inputs(spec: ModelSpec, traced: Traced, graph: CostGraph, plan: Plan,
+def _span_inputs(spec: ModelSpec, traced: Traced, graph: CostGraph, plan: SpanPlan,
                  spans: list[Span], modules: list[fx.GraphModule], sizes: list[int],
                  device: torch.device) -> list[dict[int, tuple[Any, ...]]]:
     """Each span's inputs at each size: the model's inputs and what the spans before it
@@ -230,7 +230,7 @@ def _span_inputs(spec: ModelSpec, traced: Traced, graph: CostGraph, plan: Plan,
     return inputs
 
 
-def _last_block_names(graph: CostGraph, plan: Plan) -> dict[str, str]:
+def _last_block_names(graph: CostGraph, plan: SpanPlan) -> dict[str, str]:
     """Each node of the last block by the name of the first block's node at its place."""
     first, last = plan.blocks.starts[0], plan.blocks.starts[-1]
     return {graph.nodes[last + k].name: graph.nodes[first + k].name
@@ -248,11 +248,19 @@ def _leaf(value: Any) -> Any:
     return value
 
 
-def largest_size(graph: CostGraph, plan: Plan, sizes: list[int], free: float) -> list[int]:
+def fitting_sizes(graph: CostGraph, plan: SpanPlan, sizes: list[int], free: float) -> list[int]:
     """The sizes at which every span fits in ``free`` bytes."""
     return [size for size in sizes
             if max(span_bytes(graph, span, size) for span in plan.spans) <= free]
 
 
-__all__ = ["Blocks", "Plan", "Span", "largest_size", "measuring_plan", "profile_by_blocks",
-           "repeated_blocks", "span_of"]
+__all__ = [
+    "Blocks",
+    "Span",
+    "SpanPlan",
+    "fitting_sizes",
+    "measuring_plan",
+    "profile_by_blocks",
+    "repeated_blocks",
+    "span_of",
+]

@@ -25,10 +25,10 @@ from pathlib import Path
 
 import torch
 
-from pipec.calibration.blocks import largest_size, measuring_plan, profile_by_blocks
+from pipec.calibration.blocks import fitting_sizes, measuring_plan, profile_by_blocks
 from pipec.calibration.heap import set_training_heap
 from pipec.calibration.probe import RuntimeFigures, probe_runtime
-from pipec.calibration.profile import PROFILE_SIZES, profile_model
+from pipec.calibration.profile import profile_model, profile_sizes
 from pipec.calibration.runtime_fit import blocking_fit, data_parallel_fit, runtime_action_fit
 from pipec.cost.calibration_file import load_calibration, save_calibration
 from pipec.cost.hardware import Device
@@ -238,7 +238,7 @@ def _device_name(device_type: str) -> str:
 
 def _max_micro_batch(batch_size: int) -> int:
     """The largest size pipec profile times for this batch (1, 2, 4, … up to it)."""
-    return max([s for s in PROFILE_SIZES if s <= batch_size] or [batch_size])
+    return profile_sizes(batch_size)[-1]
 
 
 def _measure(model: Path, target: Target) -> Calibration:
@@ -295,8 +295,8 @@ def _block_measure(model: Path, graph: CostGraph, target: Target
            f"activations at micro-batch {target.max_micro_batch}, and this {where} has "
            f"{gib(free)} free")
     plan = measuring_plan(graph)
-    sizes = [s for s in PROFILE_SIZES if s <= target.max_micro_batch] or [target.max_micro_batch]
-    fitting = [] if plan is None else largest_size(graph, plan, sizes, PROFILE_MEMORY_SHARE * free)
+    sizes = profile_sizes(target.max_micro_batch)
+    fitting = [] if plan is None else fitting_sizes(graph, plan, sizes, PROFILE_MEMORY_SHARE * free)
     if plan is None or not fitting:
         log.warning("not measuring %s here: %s, and %s; planning from the preset (--measure off "
                     "says so without checking)", model, why,

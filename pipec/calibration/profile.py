@@ -88,7 +88,7 @@ def profile_model(model: Path, batch_size: int, device: str = "cpu", repeats: in
     traced = trace_model(spec, frontend, target.type)
     graph = annotate(traced, spec, bf16_memory=False)
     real = _with_real_tensors(traced, spec, target)
-    sizes = [s for s in PROFILE_SIZES if s <= batch_size] or [batch_size]
+    sizes = profile_sizes(batch_size)
     kept_norm: tuple[NodeTiming, ...] = ()
     if norm == "group":
         rewrites = group_norm_rewrites(traced, graph)
@@ -115,6 +115,11 @@ def profile_model(model: Path, batch_size: int, device: str = "cpu", repeats: in
                         split_backward=split_backward_timing(real, inputs, target),
                         optimizer_s=optimizer_seconds(real)),
             tuple(samples))
+
+
+def profile_sizes(batch_size: int) -> list[int]:
+    """The micro-batch sizes a profile times up to ``batch_size``: 1, 2, 4, …"""
+    return [s for s in PROFILE_SIZES if s <= batch_size] or [batch_size]
 
 
 class _Autocast(nn.Module):
