@@ -11,7 +11,6 @@ export OMP_NUM_THREADS ?= 1
 # The other torch releases pipec supports (pipec.torchcompat.SUPPORTED_TORCH), for test-torch:
 # CUDA builds, which run on a CPU (about 4.5 GB a venv; pip caches their wheels).
 OTHER_TORCH ?= 2.11.0 2.14.1
-OTHER_VENVS = $(foreach version,$(OTHER_TORCH),$(CURDIR)/.venv-torch-$(version))
 # timm and torchvision, installed beside torch 2.14 for tests/frontend/test_vision_models.py and
 # benchmarks/zoo.py: torchvision 0.29.1 loads there (0.28 does not beside the CPU 2.13 wheel).
 VISION = torchvision==0.29.1 timm==1.0.31
@@ -44,15 +43,21 @@ unit: venv
 
 test: lint unit
 
-# The test suite on each of OTHER_TORCH, then the same plans compiled and trained on each
-# against this venv's torch (tests/test_torch_versions.py).
+# The test suite on each of OTHER_TORCH, then the same plans compiled and trained on it against
+# this venv's torch (tests/test_torch_versions.py). One other venv at a time: with
+# PRUNE_OTHER_VENVS=1 (CI) each is removed after its tests, so the run needs about 6 GB of free
+# disk rather than 12.
+PRUNE_OTHER_VENVS ?= 0
 test-torch: venv
 	set -e; for version in $(OTHER_TORCH); do \
-		$(MAKE) --no-print-directory venv VENV=.venv-torch-$$version TORCH=torch==$$version; \
-		case $$version in 2.14.*) .venv-torch-$$version/bin/python -m pip install -q $(VISION);; esac; \
-		.venv-torch-$$version/bin/python -m pytest -q -p no:cacheprovider; \
+		other=.venv-torch-$$version; \
+		df -h . | tail -1; \
+		$(MAKE) --no-print-directory venv VENV=$$other TORCH=torch==$$version; \
+		case $$version in 2.14.*) $$other/bin/python -m pip install -q $(VISION);; esac; \
+		$$other/bin/python -m pytest -q -p no:cacheprovider; \
+		PIPEC_TORCH_VENVS="$(CURDIR)/$$other" $(BIN)/python -m pytest -q tests/test_torch_versions.py; \
+		if [ "$(PRUNE_OTHER_VENVS)" = 1 ]; then rm -rf $$other; fi; \
 	done
-	PIPEC_TORCH_VENVS="$(OTHER_VENVS)" $(BIN)/python -m pytest -q tests/test_torch_versions.py
 
 clean:
 	rm -rf out build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache
