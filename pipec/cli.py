@@ -26,7 +26,14 @@ from pipec.driver import CompileOptions, compile_model
 from pipec.errors import ConfigError, PipecError
 from pipec.frontend.normalization import NORM_CHOICES
 from pipec.frontend.trace import FRONTENDS
-from pipec.inspection import inspect_model, render_json, render_table
+from pipec.inspection import (
+    inspect_model,
+    render_json,
+    render_shardable,
+    render_table,
+    shardable_json,
+    shardable_model,
+)
 from pipec.planning.planner import FSDP_MODES, RECOMPUTE, STRATEGIES, Plan
 from pipec.planning.schedules import SCHEDULES
 from pipec.torchcompat import check_torch
@@ -169,6 +176,9 @@ def _add_inspect(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument("--calibration", type=Path, default=None,
                    help="compute times measured by pipec profile (JSON)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--tp", type=int, default=None, metavar="K",
+                   help="instead of the costs: the tensor-parallel regions, which shard over K "
+                   "ranks, and why the other linears stay whole")
     p.set_defaults(run=_run_inspect)
 
 
@@ -233,6 +243,8 @@ def _rate(fit: Fit) -> str:
 
 
 def _run_inspect(args: argparse.Namespace) -> int:
+    if args.tp is not None:
+        return _run_inspect_tp(args)
     calibration = load_calibration(args.calibration) if args.calibration else None
     rows, total = inspect_model(args.model, args.batch_size, args.depth, args.hardware,
                                 Training(args.optimizer, args.precision), calibration)
@@ -240,6 +252,17 @@ def _run_inspect(args: argparse.Namespace) -> int:
         print(json.dumps(render_json(rows, total), indent=2))
     else:
         print(render_table(rows, total))
+    return 0
+
+
+def _run_inspect_tp(args: argparse.Namespace) -> int:
+    if args.tp < 1:
+        raise ConfigError(f"--tp {args.tp}: must be a positive integer")
+    shardable = shardable_model(args.model)
+    if args.json:
+        print(json.dumps(shardable_json(shardable, args.tp), indent=2))
+    else:
+        print(render_shardable(shardable, args.tp), end="")
     return 0
 
 

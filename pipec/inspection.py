@@ -1,4 +1,5 @@
-"""`pipec inspect`: what every node (or module) of a model costs, as a table or JSON."""
+"""`pipec inspect`: what every node (or module) of a model costs, as a table or JSON; with
+``--tp K``, which linears shard over K tensor-parallel ranks and why the others do not."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pipec.cost.model import Calibration, Training, node_arrays
 from pipec.errors import ConfigError
 from pipec.frontend.annotate import CostGraph, NodeCost, annotate
 from pipec.frontend.loader import load_model_file
+from pipec.frontend.shardable import Region, Shardable, find_shardable
 from pipec.frontend.trace import trace_model
 from pipec.units import mib
 
@@ -103,3 +105,52 @@ def render_json(rows: list[Row], total: Row) -> dict[str, Any]:
             "total": {"params": total.params, "fwd_flops": total.fwd_flops,
                       "bwd_flops": total.bwd_flops, "activation_bytes": total.activation_bytes,
                       "time_s": total.time_s}}
+
+
+def shardable_model(model: Path) -> Shardable:
+    """The tensor-parallel regions of ``model``'s traced graph (pipec.frontend.shardable)."""
+    spec = load_model_file(model)
+    traced = trace_model(spec)
+    graph = annotate(traced, spec, bf16_memory=False)
+    return find_shardable(traced.graph_module, {v.name: v.shape_high for v in graph.values})
+
+
+def render_shardable(shardable: Shardable, tp: int) -> str:
+    """The regions, the embeddings and the linears that stay whole, at ``tp`` ranks."""
+    if tp < 1:
+        raise ConfigError(f"--tp {tp}: must be a positive integer")
+    regions = tabulate([_region_cells(r, tp) for r in shardable.regions],
+                       ("region", "column-parallel", "row-parallel", "head reshapes",
+                        "all-reduces fwd / bwd", f"shards over {tp}?"), tablefmt="github")
+    embeddings = tabulate([(path, f"{rows:,}", _divides(rows, tp))
+                           for path, rows in shardable.vocabulary],
+                          ("embedding", "rows", "vocabulary-parallel?"), tablefmt="github")
+    whole = (tabulate([(w.path, w.reason) for w in shardable.whole], ("stays whole", "why"),
+                      tablefmt="github") if shardable.whole else "Every linear is in a region.")
+    sharded = len(shardable.regions_at(tp))
+    return (f"{sharded} of {len(shardable.regions)} region(s) shard over {tp} rank(s); "
+            f"every region shards at tp {', '.join(map(str, shardable.degrees(64)))}\n\n"
+            f"{regions}\n\n{embeddings}\n\n{whole}\n")
+
+
+def _region_cells(region: Region, tp: int) -> tuple[str, ...]:
+    fused = dict(region.fused)
+    columns = [c + (f" (fused {'+'.join(map(str, fused[c]))})" if c in fused else "")
+               for c in region.columns]
+    gathered = f" + all-gather ×{len(region.gathered)}" if region.gathered else ""
+    blocker = region.blocker(tp)
+    return (region.kind, ", ".join(columns), ", ".join(region.rows) or "-",
+            str(len(region.rewrites)), f"{len(region.rows)} / {len(region.inputs)}{gathered}",
+            "yes" if blocker is None else f"no: {blocker} is not a multiple of {tp}")
+
+
+def _divides(size: int, tp: int) -> str:
+    return "yes" if size % tp == 0 else f"no: {size} is not a multiple of {tp}"
+
+
+def shardable_json(shardable: Shardable, tp: int) -> dict[str, Any]:
+    return {"tp": tp, "regions": [{**asdict(r), "shards": r.allows(tp)}
+                                  for r in shardable.regions],
+            "vocabulary": [{"embedding": p, "rows": n, "shards": n % tp == 0}
+                           for p, n in shardable.vocabulary],
+            "whole": [asdict(w) for w in shardable.whole]}

@@ -14,12 +14,14 @@
 | ``autocast.py`` | what bf16 autocast changes in the graph, found without running it |
 | ``annotate.py`` | the annotate pass: all of the above as one ``CostGraph`` |
 | ``normalization.py`` | BatchNorm's rewrite for the plan's parallelism (``plan_norms``) |
+| ``shardable.py`` | tensor-parallel regions: column and row linears (``find_shardable``) |
 """
 
 from pipec.frontend.annotate import CostGraph, annotate
 from pipec.frontend.loader import ModelSpec, load_model_file
 from pipec.frontend.normalization import NormPlan, plan_norms, resolve_norm
+from pipec.frontend.shardable import Shardable, find_shardable
 from pipec.frontend.trace import Traced, trace_model
 
-__all__ = ["CostGraph", "ModelSpec", "NormPlan", "Traced", "annotate", "load_model_file",
-           "plan_norms", "resolve_norm", "trace_model"]
+__all__ = ["CostGraph", "ModelSpec", "NormPlan", "Shardable", "Traced", "annotate",
+           "find_shardable", "load_model_file", "plan_norms", "resolve_norm", "trace_model"]
