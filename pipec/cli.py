@@ -31,6 +31,7 @@ from pipec.inspection import (
     render_json,
     render_shardable,
     render_table,
+    render_tp_costs,
     shardable_json,
     shardable_model,
 )
@@ -258,11 +259,13 @@ def _run_inspect(args: argparse.Namespace) -> int:
 def _run_inspect_tp(args: argparse.Namespace) -> int:
     if args.tp < 1:
         raise ConfigError(f"--tp {args.tp}: must be a positive integer")
-    shardable = shardable_model(args.model)
+    found = shardable_model(args.model)
     if args.json:
-        print(json.dumps(shardable_json(shardable, args.tp), indent=2))
-    else:
-        print(render_shardable(shardable, args.tp), end="")
+        print(json.dumps(shardable_json(found.shardable, args.tp), indent=2))
+        return 0
+    print(render_shardable(found.shardable, args.tp))
+    print(render_tp_costs(found, args.tp, args.hardware, args.batch_size,
+                          Training(args.optimizer, args.precision)), end="")
     return 0
 
 

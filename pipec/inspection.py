@@ -7,12 +7,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from tabulate import tabulate
 
 from pipec.cost.hardware import load_hardware
 from pipec.cost.model import Calibration, Training, node_arrays
+from pipec.cost.sharded_costs import shard_costs, tp_collective_s
 from pipec.errors import ConfigError
 from pipec.frontend.annotate import CostGraph, NodeCost, annotate
+from pipec.frontend.costgraph import Linear as CostLinear
 from pipec.frontend.loader import load_model_file
 from pipec.frontend.shardable import Region, Shardable, find_shardable
 from pipec.frontend.trace import trace_model
@@ -107,12 +110,48 @@ def render_json(rows: list[Row], total: Row) -> dict[str, Any]:
                       "time_s": total.time_s}}
 
 
-def shardable_model(model: Path) -> Shardable:
-    """The tensor-parallel regions of ``model``'s traced graph (pipec.frontend.shardable)."""
+@dataclass(frozen=True)
+class TpInspection:
+    shardable: Shardable
+    graph: CostGraph  # the whole model's costs
+
+
+def shardable_model(model: Path) -> TpInspection:
+    """The tensor-parallel regions of ``model``'s traced graph (pipec.frontend.shardable) and
+    its cost graph."""
     spec = load_model_file(model)
     traced = trace_model(spec)
     graph = annotate(traced, spec, bf16_memory=False)
-    return find_shardable(traced.graph_module, {v.name: v.shape_high for v in graph.values})
+    shapes = {v.name: v.shape_high for v in graph.values}
+    return TpInspection(find_shardable(traced.graph_module, shapes), graph)
+
+
+def render_tp_costs(found: TpInspection, tp: int, hardware: str, batch_size: int,
+                    training: Training) -> str:
+    """One rank's share of the work and what its collectives cost, at ``batch_size``."""
+    costs = shard_costs(found.graph, found.shardable.regions_at(tp), tp)
+    device = load_hardware(hardware)
+    whole = node_arrays(found.graph, device, batch_size, training)
+    rank = node_arrays(costs.graph, device, batch_size, training)
+    ratio = 0.5 if training.precision == "bf16" else 1.0
+    forward, backward = tp_collective_s(costs, batch_size, device, ratio)
+    compute = float(np.sum(whole.fwd_s + whole.bwd_s))
+    rank_compute = float(np.sum(rank.fwd_s + rank.bwd_s))
+    moved = [b * batch_size * ratio for b in costs.per_sample_bytes()]
+    return (f"One of {tp} rank(s) at batch {batch_size} on {hardware}: "
+            f"{_share(costs.graph, found.graph, 'fwd_flops', batch_size)} of the FLOPs, "
+            f"{_share(costs.graph, found.graph, 'params', batch_size)} of the parameters; "
+            f"compute {compute * 1e3:.3f} -> {rank_compute * 1e3:.3f} ms, collectives "
+            f"{float(np.sum(forward + backward)) * 1e3:.3f} ms "
+            f"({mib(moved[0], 2)} MiB forward, {mib(moved[1], 2)} MiB backward)\n")
+
+
+def _share(rank: CostGraph, whole: CostGraph, field: str, batch_size: int) -> str:
+    def total(graph: CostGraph) -> float:
+        values = (getattr(n, field) for n in graph.nodes)
+        return sum(v.at(batch_size) if isinstance(v, CostLinear) else v for v in values)
+
+    return f"{total(rank) / max(total(whole), 1e-30):.1%}"
 
 
 def render_shardable(shardable: Shardable, tp: int) -> str:

@@ -8,11 +8,13 @@
 | ``kernel_cache.py`` | the kernels a CPU's math library compiles and keeps |
 | ``cores.py`` | processes that share a CPU's cores |
 | ``calibration_file.py`` | a calibration as a JSON file (``pipec profile --out``) |
+| ``sharded_costs.py`` | one tensor-parallel rank's costs and collectives (``shard_costs``) |
 """
 
 from pipec.cost.calibration_file import load_calibration, save_calibration
 from pipec.cost.hardware import Device, load_devices
 from pipec.cost.model import Calibration, Training
+from pipec.cost.sharded_costs import TpCosts, shard_costs, tp_collective_s
 
-__all__ = ["Calibration", "Device", "Training", "load_calibration", "load_devices",
-           "save_calibration"]
+__all__ = ["Calibration", "Device", "TpCosts", "Training", "load_calibration", "load_devices",
+           "save_calibration", "shard_costs", "tp_collective_s"]

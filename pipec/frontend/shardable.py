@@ -53,6 +53,9 @@ class Region:
     fused: tuple[tuple[str, tuple[int, ...]], ...] = ()
     # The values the column linears read: each one's gradient is all-reduced in backward.
     inputs: tuple[str, ...] = ()
+    column_nodes: tuple[str, ...] = ()  # the graph nodes of ``columns`` and ``rows``
+    row_nodes: tuple[str, ...] = ()
+    row_bias: tuple[int, ...] = ()  # each row-parallel linear's bias, whole on every rank
 
     def allows(self, tp: int) -> bool:
         return all(size % tp == 0 for size in self.sizes)
@@ -150,6 +153,7 @@ class _RegionParts:
     gathered: list[str] = field(default_factory=list)
     fused: dict[str, tuple[int, ...]] = field(default_factory=dict)
     inputs: list[str] = field(default_factory=list)
+    row_bias: list[int] = field(default_factory=list)
     attention: bool = False
 
 
@@ -223,8 +227,14 @@ class _Propagation:
             return
         parts = self._parts(x)
         parts.rows.append(node.name)
+        parts.row_bias.append(out_features if self._has_bias(node) else 0)
         parts.nodes.append(node.name)
         parts.sizes.add(in_features)
+
+    def _has_bias(self, node: fx.Node) -> bool:
+        if node.op == "call_module":
+            return self.gm.get_submodule(str(node.target)).bias is not None
+        return _arg(node, 2, "bias") is not None
 
     def _weight_shape(self, node: fx.Node) -> tuple[int, int]:
         if node.op == "call_module":
@@ -472,7 +482,8 @@ class _Propagation:
                       tuple(sorted(set(parts.nodes), key=order.__getitem__)),
                       tuple(parts.rewrites), tuple(sorted(parts.sizes)), tuple(parts.gathered),
                       tuple((self._path(c), sizes) for c, sizes in parts.fused.items()),
-                      tuple(parts.inputs))
+                      tuple(parts.inputs), tuple(parts.columns), tuple(parts.rows),
+                      tuple(parts.row_bias))
 
     def _path(self, name: str) -> str:
         node = next(n for n in self.gm.graph.nodes if n.name == name)
@@ -503,6 +514,7 @@ class _Propagation:
 def _merge(into: _RegionParts, parts: _RegionParts) -> None:
     into.columns += parts.columns
     into.rows += parts.rows
+    into.row_bias += parts.row_bias
     into.nodes += parts.nodes
     into.rewrites += parts.rewrites
     into.sizes |= parts.sizes

@@ -35,7 +35,7 @@ def kinds(shardable: Shardable) -> list[str]:
 
 @pytest.fixture(scope="module")
 def gpt() -> Shardable:
-    return shardable_model(SAMPLES / "gpt.py")
+    return shardable_model(SAMPLES / "gpt.py").shardable
 
 
 def test_the_sample_gpt_shards_attention_mlp_and_head(gpt: Shardable) -> None:
@@ -59,7 +59,7 @@ def test_a_degree_must_divide_the_heads_and_features(gpt: Shardable) -> None:
 
 
 def test_grouped_query_attention_shards_keys_and_values_by_their_own_heads() -> None:
-    llama = shardable_model(MODELS / "gqa_lm.py")
+    llama = shardable_model(MODELS / "gqa_lm.py").shardable
     assert kinds(llama) == ["attention", "gated MLP"] * 2 + ["head"]
     attention, mlp = llama.regions[:2]
     assert attention.columns == ("blocks.0.attn.q", "blocks.0.attn.kv")
@@ -70,7 +70,7 @@ def test_grouped_query_attention_shards_keys_and_values_by_their_own_heads() -> 
 
 
 def test_a_hugging_face_llama_through_export_shards_like_a_hand_written_one() -> None:
-    llama = shardable_model(MODELS / "tiny_llama.py")
+    llama = shardable_model(MODELS / "tiny_llama.py").shardable
     assert kinds(llama) == ["attention", "gated MLP"] * 2 + ["head"]
     attention = llama.regions[0]
     prefix = "lm.model.layers.0.self_attn."

@@ -1,0 +1,65 @@
+"""One tensor-parallel rank's costs: its parameters are the ones its shard of the weights holds,
+its sharded nodes' FLOPs are 1/tp, and its collectives move each row-parallel output forward and
+each region's input gradient backward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import SAMPLES
+from pipec.codegen.local_shards import local_weights
+from pipec.cost.hardware import load_hardware
+from pipec.cost.sharded_costs import shard_costs, tp_collective_s
+from pipec.frontend.loader import load_model_file
+from pipec.inspection import TpInspection, shardable_model
+
+# samples/gpt.py: 32 tokens of width 64, vocabulary 256, fp32
+TOKEN_ROW = 32 * 64 * 4
+LOGITS = 32 * 256 * 4
+
+
+@pytest.fixture(scope="module")
+def gpt() -> TpInspection:
+    return shardable_model(SAMPLES / "gpt.py")
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_ranks_parameters_are_those_of_its_shard(gpt: TpInspection, tp: int) -> None:
+    costs = shard_costs(gpt.graph, gpt.shardable.regions, tp)
+    with torch.device("meta"):
+        state = load_model_file(SAMPLES / "gpt.py").build_model().state_dict()
+    shard = local_weights(state, gpt.shardable.regions, tp, rank=tp - 1)
+    assert sum(n.params for n in costs.graph.nodes) == sum(t.numel() for t in shard.values())
+    assert sum(n.params for n in gpt.graph.nodes) == sum(t.numel() for t in state.values())
+
+
+def test_sharded_nodes_do_a_tp_th_of_the_work(gpt: TpInspection) -> None:
+    costs = shard_costs(gpt.graph, gpt.shardable.regions, 2)
+    inside = {name for r in gpt.shardable.regions for name in r.nodes}
+    for whole, rank in zip(gpt.graph.nodes, costs.graph.nodes, strict=True):
+        share = 0.5 if whole.name in inside else 1.0
+        assert rank.fwd_flops.at(4) == pytest.approx(whole.fwd_flops.at(4) * share)
+    proj = next(n for n in costs.graph.nodes if n.name == "blocks_0_attn_proj")
+    assert proj.output_bytes.per_sample == TOKEN_ROW  # whole after its all-reduce
+
+
+def test_the_collectives_move_row_outputs_forward_and_input_gradients_back(
+        gpt: TpInspection) -> None:
+    costs = shard_costs(gpt.graph, gpt.shardable.regions, 2)
+    forward, backward = costs.per_sample_bytes()
+    assert forward == 8 * TOKEN_ROW + LOGITS  # 4 attention + 4 MLP rows, the gathered logits
+    assert backward == 9 * TOKEN_ROW  # each region's input: a LayerNorm's output
+    device = load_hardware("a100-80g")
+    fwd_s, bwd_s = tp_collective_s(costs, 8, device)
+    names = [n.name for n in gpt.graph.nodes]
+    assert fwd_s[names.index("blocks_0_attn_proj")] > 0 and fwd_s[names.index("head")] > 0
+    assert bwd_s[names.index("blocks_0_attn_qkv")] > 0
+    assert (fwd_s > 0).sum() == 9 and (bwd_s > 0).sum() == 9
+    alone = tp_collective_s(shard_costs(gpt.graph, gpt.shardable.regions, 1), 8, device)
+    assert not alone[0].any() and not alone[1].any()
+
+
+def test_a_region_that_does_not_divide_is_refused(gpt: TpInspection) -> None:
+    with pytest.raises(ValueError, match="8 ranks"):
+        shard_costs(gpt.graph, gpt.shardable.regions, 8)
