@@ -81,7 +81,7 @@ def plan(graph: CostGraph, request: PlanRequest) -> Plan:
     if found.best is None and request.boundaries is not None:
         raise _pinned_infeasible(request, found.candidates)
     if found.best is None:
-        raise _infeasible(costs, layouts[-1])
+        raise _infeasible(costs, layouts)
     searched = _pp_dp(found.best.layout)
     compared = baselines(costs, searched)
     chosen, decision = adopt(costs, found.fitting, compared)
@@ -223,30 +223,40 @@ def _pinned_infeasible(request: PlanRequest, candidates: tuple[Candidate, ...]
         "out to let pipec place them within memory (recomputing where a stage must)")
 
 
-def _infeasible(costs: Costs, layout: Layout) -> InfeasibleError:
-    """The error when no point fits: what the leanest setting the request allows needs
-    (micro-batch 1 unless fixed; 1F1B unless GPipe is asked for or the only one that runs)."""
+def _infeasible(costs: Costs, layouts: list[Layout]) -> InfeasibleError:
+    """The error when no point fits, quoting the layout that came nearest: the leanest
+    setting the request allows on each (micro-batch 1 unless fixed; 1F1B unless GPipe is asked
+    for or the only one that runs), and the one whose fullest device is least over."""
+    request = costs.request
+    nearest = min((_leanest(costs, layout) for layout in layouts),
+                  key=lambda e: max(e.memory) - min(e.stage_costs.capacity))
+    layout, micro_batch, schedule = nearest.layout, nearest.micro_batch, nearest.schedule
+    usable = min(nearest.stage_costs.capacity)
+    if nearest.fits() and request.schedule not in ("auto", schedule):
+        return InfeasibleError(
+            f"no split fits under --schedule {request.schedule} over {layout.pp} pipeline "
+            f"device(s) on {request.hardware}, but {schedule} at micro-batch {micro_batch} "
+            f"fits ({gib(max(nearest.memory))} on its fullest device of {gib(usable)} "
+            f"usable): use --schedule {schedule} or auto")
+    hint = ", --schedule 1f1b" if request.schedule == "gpipe" else ""
+    recomputing = (" with recomputation where it lowers a stage's memory"
+                   if request.recompute in ("auto", "full") else "")
+    over = max(nearest.memory) - usable
+    return InfeasibleError(
+        f"no split fits: the nearest, {layout.pp} pipeline device(s) × {layout.dp} "
+        f"replica(s) at micro-batch {micro_batch} under {schedule}{recomputing}, needs "
+        f"{gib(max(nearest.memory))} on its fullest device, {gib(over)} more than the "
+        f"{gib(usable)} usable on {request.hardware}; try more --gpus, a "
+        f"device with more memory (--hardware){hint} or --optimizer sgd")
+
+
+def _leanest(costs: Costs, layout: Layout) -> Evaluated:
     request = costs.request
     micro_batch = request.micro_batch or 1
     gpipe = (request.schedule == "gpipe"
              or request.global_batch // (layout.dp * micro_batch) < layout.pp)
-    schedule = "gpipe" if gpipe else "1f1b"
-    recompute = request.recompute in ("auto", "full")
-    e = unlimited(costs, Point(layout, micro_batch, schedule), "time", recompute)
-    if e.fits() and request.schedule not in ("auto", schedule):
-        return InfeasibleError(
-            f"no split fits under --schedule {request.schedule} over {layout.pp} pipeline "
-            f"device(s) on {request.hardware}, but {schedule} at micro-batch {micro_batch} "
-            f"fits ({gib(max(e.memory))} on its fullest device of "
-            f"{gib(min(e.stage_costs.capacity))} usable): use --schedule {schedule} or auto")
-    hint = ", --schedule 1f1b" if request.schedule == "gpipe" else ""
-    recomputing = " with recomputation where it lowers a stage's memory" if recompute else ""
-    return InfeasibleError(
-        f"no split fits: even at micro-batch {micro_batch} under {schedule}{recomputing} the "
-        f"time-balanced split over {layout.pp} pipeline device(s) needs "
-        f"{gib(max(e.memory))} on its fullest device, have "
-        f"{gib(min(e.stage_costs.capacity))} usable on {request.hardware}; try more --gpus, a "
-        f"device with more memory (--hardware){hint} or --optimizer sgd")
+    return unlimited(costs, Point(layout, micro_batch, "gpipe" if gpipe else "1f1b"), "time",
+                     request.recompute in ("auto", "full"))
 
 
 def _stage_plans(costs: Costs, e: Evaluated) -> tuple[StagePlan, ...]:

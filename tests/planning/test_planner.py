@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 
-from conftest import SAMPLES, compile_to
+from conftest import MODELS, SAMPLES, compile_to
 from pipec.cost.hardware import PRESETS
 from pipec.cost.model import data_parallel_collectives, usable_memory
 from pipec.errors import ConfigError, InfeasibleError
@@ -106,9 +107,30 @@ def test_1f1b_is_only_chosen_with_a_micro_batch_per_stage(tmp_path: Path) -> Non
 
 def test_memory_that_does_not_fit_is_an_error_with_numbers(tmp_path: Path) -> None:
     tiny = _small_device(tmp_path, 100000 / 2**20)
-    with pytest.raises(InfeasibleError, match=r"needs \d+\.\d+ GiB .* have 0\.00 GiB"):
+    with pytest.raises(InfeasibleError, match=r"the nearest, \d pipeline device\(s\) × \d "
+                       r"replica\(s\) .* needs \d+\.\d+ GiB .* more than the 0\.00 GiB usable"):
         compile_to(SAMPLES / "gpt.py", tmp_path / "o", gpus=2, batch_size=8, hardware=tiny)
     assert not (tmp_path / "o").exists()
+
+
+def needed_gib(error: pytest.ExceptionInfo[InfeasibleError]) -> float:
+    found = re.search(r"needs (\d+\.\d+) GiB", str(error.value))
+    assert found, str(error.value)
+    return float(found.group(1))
+
+
+def test_the_error_quotes_the_layout_that_came_nearest(tmp_path: Path) -> None:
+    """Every pp the search tried is weighed: the quoted need is the least of theirs (here
+    0.13, 0.07 and 0.04 GiB at pp 1, 2 and 4 under AdamW on 24 MiB devices)."""
+    small = _small_device(tmp_path, 24)
+    needs = []
+    for pp in (None, 1, 2, 4):
+        with pytest.raises(InfeasibleError) as error:
+            compile_to(MODELS / "wide_mlp.py", tmp_path / "o", gpus=4, batch_size=8,
+                       hardware=small, pp=pp, optimizer="adamw")
+        needs.append(needed_gib(error))
+    assert len(set(needs[1:])) == 3
+    assert needs[0] == min(needs[1:])
 
 
 @pytest.mark.parametrize(("options", "message"), [
