@@ -129,7 +129,8 @@ def shardable_model(model: Path) -> TpInspection:
 def render_tp_costs(found: TpInspection, tp: int, hardware: str, batch_size: int,
                     training: Training) -> str:
     """One rank's share of the work and what its collectives cost, at ``batch_size``."""
-    costs = shard_costs(found.graph, found.shardable.regions_at(tp), tp)
+    costs = shard_costs(found.graph, found.shardable.regions_at(tp), tp,
+                        found.shardable.embeddings_at(tp))
     device = load_hardware(hardware)
     whole = node_arrays(found.graph, device, batch_size, training)
     rank = node_arrays(costs.graph, device, batch_size, training)

@@ -41,8 +41,12 @@ class TpCosts:
         return forward, sum(b.per_sample for b in self.backward_bytes)
 
 
-def shard_costs(graph: CostGraph, regions: Sequence[Region], tp: int) -> TpCosts:
-    """One rank's costs when ``regions`` (those that allow ``tp``) shard over ``tp`` ranks."""
+def shard_costs(graph: CostGraph, regions: Sequence[Region], tp: int,
+                embeddings: Sequence[str] = ()) -> TpCosts:
+    """One rank's costs when ``regions`` (those that allow ``tp``) shard over ``tp`` ranks,
+    and ``embeddings`` (their nodes) by vocabulary: a rank holds 1/tp of the rows, looks up
+    the tokens in its range, and an all-reduce sums the ranks' outputs (Megatron-LM's
+    VocabParallelEmbedding)."""
     if any(not r.allows(tp) for r in regions):
         raise ValueError(f"a region does not shard over {tp} ranks")
     inside = {name for r in regions for name in r.nodes}
@@ -54,10 +58,12 @@ def shard_costs(graph: CostGraph, regions: Sequence[Region], tp: int) -> TpCosts
     reduced = {r.column_nodes[0]: _total(outputs.get(value, _NONE) for value in r.inputs)
                for r in regions}
     nodes = tuple(_shard(n, tp, rows.get(n.name), n.name in columns) if n.name in inside
-                  else n for n in graph.nodes)
+                  else _vocabulary_shard(n, tp) if n.name in embeddings else n
+                  for n in graph.nodes)
+    reduced_outputs = set(rows) | set(embeddings)
     return TpCosts(
         tp, replace(graph, nodes=nodes),
-        tuple(n.output_bytes if n.name in rows else _NONE for n in graph.nodes),
+        tuple(n.output_bytes if n.name in reduced_outputs else _NONE for n in graph.nodes),
         tuple(reduced.get(n.name, _NONE) for n in graph.nodes),
         tuple(n.output_bytes if n.name in gathered else _NONE for n in graph.nodes))
 
@@ -86,6 +92,12 @@ def _shard(node: NodeCost, tp: int, row_bias: int | None, column: bool) -> NodeC
         params=(node.params - bias) // tp + bias,
         param_bytes=((node.params - bias) // tp + bias) * item,
         shared_bytes=node.shared_bytes // tp)
+
+
+def _vocabulary_shard(node: NodeCost, tp: int) -> NodeCost:
+    item = node.param_bytes // max(node.params, 1)
+    return replace(node, params=node.params // tp, param_bytes=node.params // tp * item,
+                   shared_bytes=node.shared_bytes // tp)
 
 
 def tp_collective_s(costs: TpCosts, micro_batch: int, device: Device, bytes_ratio: float = 1.0

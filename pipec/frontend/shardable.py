@@ -78,6 +78,7 @@ class Shardable:
     regions: tuple[Region, ...]
     vocabulary: tuple[tuple[str, int], ...]  # embeddings (path, rows): vocabulary-parallel
     whole: tuple[WholeLinear, ...]
+    vocabulary_nodes: tuple[str, ...] = ()  # the embeddings' graph nodes
 
     def degrees(self, limit: int) -> tuple[int, ...]:
         """The tp degrees up to ``limit`` that every region allows."""
@@ -87,6 +88,11 @@ class Shardable:
     def regions_at(self, tp: int) -> tuple[Region, ...]:
         """The regions that shard over ``tp`` ranks; the others stay whole."""
         return tuple(r for r in self.regions if r.allows(tp))
+
+    def embeddings_at(self, tp: int) -> tuple[str, ...]:
+        """The graph nodes of the embeddings whose rows ``tp`` divides."""
+        return tuple(node for node, (_, rows) in zip(self.vocabulary_nodes, self.vocabulary,
+                                                     strict=True) if rows % tp == 0)
 
 
 @dataclass(frozen=True)
@@ -471,8 +477,9 @@ class _Propagation:
             _merge(into, parts)
         order = {n.name: i for i, n in enumerate(self.gm.graph.nodes)}
         regions = tuple(self._region(parts, order) for parts in merged.values())
-        return Shardable(tuple(sorted(regions, key=lambda r: order[r.nodes[0]])),
-                         self._vocabulary(), self._whole(kept))
+        vocabulary, vocabulary_nodes = self._vocabulary()
+        return Shardable(tuple(sorted(regions, key=lambda r: order[r.nodes[0]])), vocabulary,
+                         self._whole(kept), vocabulary_nodes)
 
     def _region(self, parts: _RegionParts, order: Mapping[str, int]) -> Region:
         kind = ("attention" if parts.attention else "head" if not parts.rows
@@ -493,19 +500,24 @@ class _Propagation:
         return str(weight.target).removesuffix(".weight") if isinstance(weight, fx.Node) \
             else name
 
-    def _vocabulary(self) -> tuple[tuple[str, int], ...]:
-        found = []
+    def _vocabulary(self) -> tuple[tuple[tuple[str, int], ...], tuple[str, ...]]:
+        """Each embedding's (path, rows), and its node."""
+        found: list[tuple[str, int]] = []
+        nodes: list[str] = []
         for node in self.gm.graph.nodes:
             if op_name(self.gm, node) != "embedding":
                 continue
             if node.op == "call_module":
-                found.append((str(node.target),
-                              self.gm.get_submodule(str(node.target)).num_embeddings))
+                module = self.gm.get_submodule(str(node.target))
+                found.append((str(node.target), int(module.num_embeddings)))
             elif isinstance(node.args[0], fx.Node):
                 weight = _attribute(self.gm, node.args[0])
                 found.append((str(node.args[0].target).removesuffix(".weight"),
                               int(weight.shape[0])))
-        return tuple(found)
+            else:
+                continue
+            nodes.append(node.name)
+        return tuple(found), tuple(nodes)
 
     def _whole(self, kept: Mapping[str, str]) -> tuple[WholeLinear, ...]:
         return tuple(WholeLinear(self._path(name), reason) for name, reason in kept.items())

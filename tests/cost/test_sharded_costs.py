@@ -63,3 +63,17 @@ def test_the_collectives_move_row_outputs_forward_and_input_gradients_back(
 def test_a_region_that_does_not_divide_is_refused(gpt: TpInspection) -> None:
     with pytest.raises(ValueError, match="8 ranks"):
         shard_costs(gpt.graph, gpt.shardable.regions, 8)
+
+
+def test_a_vocabulary_parallel_embedding_holds_its_rows_and_all_reduces_its_output(
+        gpt: TpInspection) -> None:
+    embeddings = gpt.shardable.embeddings_at(2)
+    assert embeddings == ("tok_emb", "pos_emb")
+    regions_only = shard_costs(gpt.graph, gpt.shardable.regions, 2)
+    costs = shard_costs(gpt.graph, gpt.shardable.regions, 2, embeddings)
+    rows = {n.name: n.params for n in costs.graph.nodes}
+    assert rows["tok_emb"] == 256 * 64 // 2 and rows["pos_emb"] == 32 * 64 // 2
+    forward, _ = costs.per_sample_bytes()
+    # the token embedding's output per sample; the positions' output is one row for the batch
+    assert forward == regions_only.per_sample_bytes()[0] + TOKEN_ROW
+    assert gpt.shardable.embeddings_at(3) == ()
