@@ -10,7 +10,7 @@ from torch import nn
 from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # planning only: reuses a sibling
-from llama2_70b import Block  # noqa: E402
+from llama2_70b import Block
 
 LAYERS, WIDTH, HEADS, KV_HEADS, FFN, VOCAB, CONTEXT = 126, 16384, 128, 8, 53248, 128256, 8192
 
