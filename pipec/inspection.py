@@ -11,8 +11,8 @@ import numpy as np
 from tabulate import tabulate
 
 from pipec.cost.hardware import load_hardware
-from pipec.cost.model import Calibration, Training, node_arrays
-from pipec.cost.sharded_costs import shard_costs, tp_collective_s
+from pipec.cost.model import Calibration, Training, node_arrays, tp_collectives_s
+from pipec.cost.sharded_costs import shard_costs
 from pipec.errors import ConfigError
 from pipec.frontend.annotate import CostGraph, NodeCost, annotate
 from pipec.frontend.costgraph import Linear as CostLinear
@@ -132,18 +132,19 @@ def render_tp_costs(found: TpInspection, tp: int, hardware: str, batch_size: int
     costs = shard_costs(found.graph, found.shardable.regions_at(tp), tp,
                         found.shardable.embeddings_at(tp))
     device = load_hardware(hardware)
+    bf16 = training.precision == "bf16"
     whole = node_arrays(found.graph, device, batch_size, training)
     rank = node_arrays(costs.graph, device, batch_size, training)
-    ratio = 0.5 if training.precision == "bf16" else 1.0
-    forward, backward = tp_collective_s(costs, batch_size, device, ratio)
+    forward, backward = tp_collectives_s(costs.graph, device, batch_size, bf16)
+    collectives = float(np.sum(forward + backward))
     compute = float(np.sum(whole.fwd_s + whole.bwd_s))
-    rank_compute = float(np.sum(rank.fwd_s + rank.bwd_s))
-    moved = [b * batch_size * ratio for b in costs.per_sample_bytes()]
+    rank_compute = float(np.sum(rank.fwd_s + rank.bwd_s)) - collectives
+    moved = [b * batch_size * (0.5 if bf16 else 1.0) for b in costs.per_sample_bytes()]
     return (f"One of {tp} rank(s) at batch {batch_size} on {hardware}: "
             f"{_share(costs.graph, found.graph, 'fwd_flops', batch_size)} of the FLOPs, "
             f"{_share(costs.graph, found.graph, 'params', batch_size)} of the parameters; "
             f"compute {compute * 1e3:.3f} -> {rank_compute * 1e3:.3f} ms, collectives "
-            f"{float(np.sum(forward + backward)) * 1e3:.3f} ms "
+            f"{collectives * 1e3:.3f} ms "
             f"({mib(moved[0], 2)} MiB forward, {mib(moved[1], 2)} MiB backward)\n")
 
 

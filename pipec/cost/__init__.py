@@ -14,7 +14,7 @@
 from pipec.cost.calibration_file import load_calibration, save_calibration
 from pipec.cost.hardware import Device, load_devices
 from pipec.cost.model import Calibration, Training
-from pipec.cost.sharded_costs import TpCosts, shard_costs, tp_collective_s
+from pipec.cost.sharded_costs import TpCosts, shard_costs
 
 __all__ = ["Calibration", "Device", "TpCosts", "Training", "load_calibration", "load_devices",
-           "save_calibration", "shard_costs", "tp_collective_s"]
+           "save_calibration", "shard_costs"]

@@ -18,7 +18,7 @@ import numpy as np
 
 from pipec.cost.hardware import Device
 from pipec.cost.kernel_cache import KernelRuns
-from pipec.frontend.costgraph import CostGraph, LossCost, NodeCost
+from pipec.frontend.costgraph import CostGraph, Linear, LossCost, NodeCost
 
 # Per fp32 parameter byte, what training keeps besides the weight itself: its gradient, the
 # optimizer state (SGD's momentum buffer; AdamW's two moments) and, under bf16 autocast, the
@@ -231,6 +231,9 @@ def node_arrays(graph: CostGraph, device: Device, micro_batch: int, training: Tr
     bwd = np.maximum(bwd_flops / flops_rate, 2 * moved / device.memory_bandwidth) + overhead
     if calibration is not None:
         fwd, bwd = _calibrated(graph, calibration, micro_batch, fwd_flops, bwd_flops, moved)
+    if graph.tp > 1:
+        collective_fwd, collective_bwd = tp_collectives_s(graph, device, micro_batch, bf16)
+        fwd, bwd = fwd + collective_fwd, bwd + collective_bwd
     shared = np.array([n.shared_bytes for n in graph.nodes], dtype=float)
     static = ((param_bytes + shared) * static_ratio(training)
               + np.array([n.buffer_bytes for n in graph.nodes], dtype=float))
@@ -249,6 +252,20 @@ def node_arrays(graph: CostGraph, device: Device, micro_batch: int, training: Tr
                       np.array([n.selective_bytes.at(micro_batch) * (0.5 if bf16 else 1.0)
                                 for n in graph.nodes]),
                       np.where(param_bytes + shared > 0, out_bytes, 0.0))
+
+
+def tp_collectives_s(graph: CostGraph, device: Device, micro_batch: int, bf16: bool
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """Each node's tensor-parallel all-reduces, forward and backward, within a node (its
+    activations in bf16 under autocast)."""
+    ratio = 0.5 if bf16 else 1.0
+
+    def seconds(quantities: list[Linear]) -> np.ndarray:
+        return np.array([allreduce_s(q.at(micro_batch) * ratio, graph.tp, device)
+                         if q.at(micro_batch) else 0.0 for q in quantities])
+
+    return (seconds([n.tp_forward_bytes for n in graph.nodes]),
+            seconds([n.tp_backward_bytes for n in graph.nodes]))
 
 
 def kernel_runs(graph: CostGraph, device: Device, bf16: bool) -> KernelRuns:

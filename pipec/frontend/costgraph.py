@@ -74,6 +74,10 @@ class NodeCost:
     selective_bytes: Linear = Linear(0.0, 0.0)
     # The parameter tensors among ``params``: DDP does work for each one's gradient.
     param_tensors: int = 0
+    # Under tensor parallelism (CostGraph.tp > 1): the bytes one rank all-reduces after the
+    # node's forward and in its backward (pipec.cost.sharded_costs).
+    tp_forward_bytes: Linear = Linear(0.0, 0.0)
+    tp_backward_bytes: Linear = Linear(0.0, 0.0)
 
 @dataclass(frozen=True)
 class LossCost:
@@ -131,6 +135,8 @@ class CostGraph:
     # The training data is made by sample_batch() (the model file has no train_dataset()):
     # each end stage makes the whole global batch, then keeps its replica's share.
     synthetic_data: bool = True
+    # One tensor-parallel rank's costs over this many ranks (1: no tensor parallelism).
+    tp: int = 1
 
     def value(self, name: str) -> ValueSpec:
         return next(v for v in self.values if v.name == name)

@@ -20,6 +20,7 @@ exact DP. ``plan(graph, request)`` is the entry point.
 | ``search.py`` | branch and bound over the points |
 | ``baselines.py`` | the baselines' plans, and adopting one |
 | ``maxbatch.py`` | the largest global batch each strategy trains |
+| ``tp_search.py`` | pp × dp plans of one tensor-parallel rank, for each tp degree |
 
 Glossary (besides docs/architecture.md's):
 
@@ -38,6 +39,8 @@ Glossary (besides docs/architecture.md's):
 """
 
 from pipec.planning.planner import check, check_request, plan
+from pipec.planning.tp_search import TpPlan, plan_with_tp, tp_degrees
 from pipec.planning.values import Plan, PlanRequest, StagePlan
 
-__all__ = ["Plan", "PlanRequest", "StagePlan", "check", "check_request", "plan"]
+__all__ = ["Plan", "PlanRequest", "StagePlan", "TpPlan", "check", "check_request", "plan",
+           "plan_with_tp", "tp_degrees"]

@@ -10,7 +10,8 @@ import torch
 from conftest import SAMPLES
 from pipec.codegen.local_shards import local_weights
 from pipec.cost.hardware import load_hardware
-from pipec.cost.sharded_costs import shard_costs, tp_collective_s
+from pipec.cost.model import tp_collectives_s
+from pipec.cost.sharded_costs import shard_costs
 from pipec.frontend.loader import load_model_file
 from pipec.inspection import TpInspection, shardable_model
 
@@ -48,21 +49,33 @@ def test_the_collectives_move_row_outputs_forward_and_input_gradients_back(
         gpt: TpInspection) -> None:
     costs = shard_costs(gpt.graph, gpt.shardable.regions, 2)
     forward, backward = costs.per_sample_bytes()
-    assert forward == 8 * TOKEN_ROW + LOGITS  # 4 attention + 4 MLP rows, the gathered logits
+    # 4 attention + 4 MLP rows; the gathered logits as an all-reduce of half their bytes
+    assert forward == 8 * TOKEN_ROW + LOGITS / 2
     assert backward == 9 * TOKEN_ROW  # each region's input: a LayerNorm's output
     device = load_hardware("a100-80g")
-    fwd_s, bwd_s = tp_collective_s(costs, 8, device)
+    fwd_s, bwd_s = tp_collectives_s(costs.graph, device, 8, bf16=False)
     names = [n.name for n in gpt.graph.nodes]
     assert fwd_s[names.index("blocks_0_attn_proj")] > 0 and fwd_s[names.index("head")] > 0
     assert bwd_s[names.index("blocks_0_attn_qkv")] > 0
     assert (fwd_s > 0).sum() == 9 and (bwd_s > 0).sum() == 9
-    alone = tp_collective_s(shard_costs(gpt.graph, gpt.shardable.regions, 1), 8, device)
+    alone = tp_collectives_s(shard_costs(gpt.graph, gpt.shardable.regions, 1).graph, device, 8,
+                             bf16=False)
     assert not alone[0].any() and not alone[1].any()
 
 
-def test_a_region_that_does_not_divide_is_refused(gpt: TpInspection) -> None:
-    with pytest.raises(ValueError, match="8 ranks"):
-        shard_costs(gpt.graph, gpt.shardable.regions, 8)
+def test_a_stage_boundary_may_not_cut_a_region(gpt: TpInspection) -> None:
+    """A cut across which a split value is live is illegal; the others keep their rule."""
+    costs = shard_costs(gpt.graph, gpt.shardable.regions, 2)
+    regions = gpt.shardable.regions
+    split = ({n for r in regions for n in r.nodes} - {n for r in regions for n in r.row_nodes}
+             - {n for r in regions for n in r.gathered})
+    crossing = [bool(split & set(live)) for live in gpt.graph.live]
+    expected = [legal and not cut for legal, cut in zip(gpt.graph.legal_cuts, crossing,
+                                                        strict=True)]
+    assert list(costs.graph.legal_cuts) == expected
+    assert sum(expected) < sum(gpt.graph.legal_cuts)  # some legal cut was inside a region
+    assert sum(expected) >= 4  # between the blocks
+    assert costs.graph.legal_cuts[0] and costs.graph.legal_cuts[-1]
 
 
 def test_a_vocabulary_parallel_embedding_holds_its_rows_and_all_reduces_its_output(

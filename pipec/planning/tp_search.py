@@ -1,0 +1,74 @@
+"""The search over tensor parallelism: pp × dp plans of one tp rank's costs, for each tp degree.
+
+A tp group holds one copy of the model's pipeline position and replica: tp ranks that run the
+same stage, each with its shard of the sharded regions (pipec.cost.sharded_costs). With tp
+innermost in the device mesh the group is tp consecutive devices of one node, so the pipeline
+and the replicas see ``gpus / tp`` devices: each is planned as today on the rank's costs, and
+the fastest degree wins. tp divides the devices of a node (its collectives run on the
+intra-node link) and every sharded region's heads and features.
+
+The emitted script does not yet apply tp: this search predicts what it would give.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from pipec.cost.sharded_costs import shard_costs
+from pipec.errors import InfeasibleError
+from pipec.frontend.costgraph import CostGraph
+from pipec.frontend.shardable import Shardable
+from pipec.planning.planner import plan
+from pipec.planning.values import Plan, PlanRequest
+
+__all__ = ["TpPlan", "plan_with_tp", "tp_degrees"]
+
+
+@dataclass(frozen=True)
+class TpPlan:
+    tp: int
+    plan: Plan  # one tp rank's pp × dp plan over gpus / tp devices
+    tried: tuple[tuple[int, float | None], ...]  # each degree and its samples/s (None: no fit)
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.plan.samples_per_s
+
+
+def tp_degrees(shardable: Shardable, request: PlanRequest, limit: int | None = None
+               ) -> tuple[int, ...]:
+    """The degrees that divide a node's devices (at most ``limit``), whose remaining devices
+    divide the batch's replicas, and at which some region shards."""
+    per_node = request.gpus // request.nodes
+    return tuple(tp for tp in range(1, per_node + 1)
+                 if per_node % tp == 0 and (limit is None or tp <= limit)
+                 and (tp == 1 or shardable.regions_at(tp)))
+
+
+def plan_with_tp(graph: CostGraph, shardable: Shardable, request: PlanRequest,
+                 degrees: tuple[int, ...]) -> TpPlan:
+    """The fastest plan over ``degrees``; an InfeasibleError, the last degree's, when none
+    fits."""
+    tried: list[tuple[int, float | None]] = []
+    best: tuple[int, Plan] | None = None
+    error: InfeasibleError | None = None
+    for tp in degrees:
+        try:
+            found = plan_at(graph, shardable, request, tp)
+        except InfeasibleError as exc:
+            tried.append((tp, None))
+            error = exc
+            continue
+        tried.append((tp, found.samples_per_s))
+        if best is None or found.samples_per_s > best[1].samples_per_s:
+            best = (tp, found)
+    if best is None:
+        raise error or InfeasibleError("no tp degree to try")
+    return TpPlan(best[0], best[1], tuple(tried))
+
+
+def plan_at(graph: CostGraph, shardable: Shardable, request: PlanRequest, tp: int) -> Plan:
+    """One tp rank's plan over ``request.gpus / tp`` devices, one per tp group."""
+    costs = shard_costs(graph, shardable.regions_at(tp), tp, shardable.embeddings_at(tp))
+    groups = replace(request, gpus=request.gpus // tp, devices=request.devices[::tp])
+    return plan(costs.graph, groups)
