@@ -1,6 +1,7 @@
 """Llama-3-405B's shape (Llama Team, 2024): 126 layers, width 16,384, 128 query heads and 8
 key/value heads, SwiGLU of 53,248, vocabulary 128,256, context 8,192, untied head; 406 B
-parameters. Built on meta by pipec; never run here (llama2_70b.py: the layers)."""
+parameters. Built on meta by pipec; never run here (llama2_70b.py: the layers). ``Llama3``
+takes the other sizes (llama3_8b.py)."""
 
 import sys
 from pathlib import Path
@@ -16,12 +17,13 @@ LAYERS, WIDTH, HEADS, KV_HEADS, FFN, VOCAB, CONTEXT = 126, 16384, 128, 8, 53248,
 
 
 class Llama3(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, layers: int = LAYERS, width: int = WIDTH, heads: int = HEADS,
+                 kv_heads: int = KV_HEADS, ffn: int = FFN) -> None:
         super().__init__()
-        self.embed = nn.Embedding(VOCAB, WIDTH)
-        self.blocks = nn.Sequential(*[Block(WIDTH, HEADS, KV_HEADS, FFN) for _ in range(LAYERS)])
-        self.norm = nn.RMSNorm(WIDTH)
-        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.embed = nn.Embedding(VOCAB, width)
+        self.blocks = nn.Sequential(*[Block(width, heads, kv_heads, ffn) for _ in range(layers)])
+        self.norm = nn.RMSNorm(width)
+        self.head = nn.Linear(width, VOCAB, bias=False)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.head(self.norm(self.blocks(self.embed(idx))))

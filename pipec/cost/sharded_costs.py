@@ -9,8 +9,15 @@ gradient of each value the column linears read in backward. A gathered output (t
 logits) is all-gathered in forward: a ring all-gather moves half an all-reduce's bytes, so it is
 counted as an all-reduce of half its size. An embedding whose rows tp divides is
 vocabulary-parallel (Megatron-LM's VocabParallelEmbedding): a rank holds 1/tp of the rows and
-its output is all-reduced. Nodes outside are replicated: every rank runs them whole. A stage
-boundary may not cut a region: the values inside are split.
+its output is all-reduced. A stage boundary may not cut a region: the values inside are
+split.
+
+Nodes outside the regions (norms, residual adds, dropout) are replicated: every rank runs them
+whole, unless ``sequence_parallel``: then each rank runs them on 1/tp of the sequence, and each
+all-reduce becomes a reduce-scatter after the row-parallel linear and an all-gather before the
+column-parallel ones, which move the same bytes (Korthikanti et al., 2022, §4.2.2). Their
+FLOPs, saved activations and outputs, and the values crossing stage boundaries, are then 1/tp;
+the loss still sees the gathered logits.
 """
 
 from __future__ import annotations
@@ -38,9 +45,10 @@ class TpCosts:
 
 
 def shard_costs(graph: CostGraph, regions: Sequence[Region], tp: int,
-                embeddings: Sequence[str] = ()) -> TpCosts:
+                embeddings: Sequence[str] = (), sequence_parallel: bool = False) -> TpCosts:
     """One rank's costs when ``regions`` (those that allow ``tp``) and ``embeddings`` (their
-    nodes) shard over ``tp`` ranks."""
+    nodes) shard over ``tp`` ranks, the rest of the graph along the sequence under
+    ``sequence_parallel``."""
     if any(not r.allows(tp) for r in regions):
         raise ValueError(f"a region does not shard over {tp} ranks")
     if tp == 1:
@@ -60,12 +68,36 @@ def shard_costs(graph: CostGraph, regions: Sequence[Region], tp: int,
             n = _shard(n, tp, rows.get(n.name), n.name in columns)
         elif n.name in embeddings:
             n = _vocabulary_shard(n, tp)
+        elif sequence_parallel:
+            n = _sequence_shard(n, tp)
         nodes.append(replace(n, tp_forward_bytes=forward,
                              tp_backward_bytes=backward.get(n.name, _NONE)))
     split = inside - set(rows) - gathered  # whole after their all-reduce or all-gather
     legal = tuple(ok and not (i < len(graph.live) and split & set(graph.live[i]))
                   for i, ok in enumerate(graph.legal_cuts))
-    return TpCosts(tp, replace(graph, nodes=tuple(nodes), legal_cuts=legal, tp=tp))
+    sharded = replace(graph, nodes=tuple(nodes), legal_cuts=legal, tp=tp)
+    if sequence_parallel:
+        def cuts(values: tuple[Linear, ...]) -> tuple[Linear, ...]:
+            return tuple(_split(b, tp) for b in values)
+
+        sharded = replace(sharded, cut_bytes=cuts(graph.cut_bytes),
+                          held_cut_bytes=cuts(graph.held_cut_bytes),
+                          cut_bytes_bf16=cuts(graph.cut_bytes_bf16),
+                          held_cut_bytes_bf16=cuts(graph.held_cut_bytes_bf16))
+    return TpCosts(tp, sharded)
+
+
+def _split(quantity: Linear, tp: int) -> Linear:
+    return Linear(quantity.fixed / tp, quantity.per_sample / tp)
+
+
+def _sequence_shard(node: NodeCost, tp: int) -> NodeCost:
+    return replace(node, fwd_flops=_split(node.fwd_flops, tp),
+                   bwd_flops=_split(node.bwd_flops, tp),
+                   output_bytes=_split(node.output_bytes, tp),
+                   saved_bytes=_split(node.saved_bytes, tp),
+                   working_bytes=_split(node.working_bytes, tp),
+                   selective_bytes=_split(node.selective_bytes, tp))
 
 
 def _forward_bytes(node: NodeCost, reduced: bool, gathered: bool) -> Linear:
@@ -87,7 +119,7 @@ def _shard(node: NodeCost, tp: int, row_bias: int | None, column: bool) -> NodeC
     """``row_bias``: the node is row-parallel, with a bias of this many values (0: none),
     whole on every rank."""
     def split(quantity: Linear) -> Linear:
-        return Linear(quantity.fixed / tp, quantity.per_sample / tp)
+        return _split(quantity, tp)
 
     row = row_bias is not None
     bias = row_bias or 0

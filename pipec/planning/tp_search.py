@@ -67,8 +67,12 @@ def plan_with_tp(graph: CostGraph, shardable: Shardable, request: PlanRequest,
     return TpPlan(best[0], best[1], tuple(tried))
 
 
-def plan_at(graph: CostGraph, shardable: Shardable, request: PlanRequest, tp: int) -> Plan:
-    """One tp rank's plan over ``request.gpus / tp`` devices, one per tp group."""
-    costs = shard_costs(graph, shardable.regions_at(tp), tp, shardable.embeddings_at(tp))
+def plan_at(graph: CostGraph, shardable: Shardable, request: PlanRequest, tp: int,
+            sequence_parallel: bool = True) -> Plan:
+    """One tp rank's plan over ``request.gpus / tp`` devices, one per tp group; sequence
+    parallelism between the regions by default (Megatron-LM's with tp: the same bytes
+    communicated, 1/tp of the activations between regions)."""
+    costs = shard_costs(graph, shardable.regions_at(tp), tp, shardable.embeddings_at(tp),
+                        sequence_parallel)
     groups = replace(request, gpus=request.gpus // tp, devices=request.devices[::tp])
     return plan(costs.graph, groups)

@@ -90,3 +90,16 @@ def test_a_vocabulary_parallel_embedding_holds_its_rows_and_all_reduces_its_outp
     # the token embedding's output per sample; the positions' output is one row for the batch
     assert forward == regions_only.per_sample_bytes()[0] + TOKEN_ROW
     assert gpt.shardable.embeddings_at(3) == ()
+
+
+def test_sequence_parallelism_splits_the_rest_and_the_boundaries(gpt: TpInspection) -> None:
+    plain = shard_costs(gpt.graph, gpt.shardable.regions, 2)
+    sequence = shard_costs(gpt.graph, gpt.shardable.regions, 2, sequence_parallel=True)
+    assert sequence.per_sample_bytes() == plain.per_sample_bytes()  # the same bytes moved
+    inside = {name for r in gpt.shardable.regions for name in r.nodes}
+    for node, rank in zip(plain.graph.nodes, sequence.graph.nodes, strict=True):
+        share = 1.0 if node.name in inside else 0.5
+        assert rank.saved_bytes.at(4) == pytest.approx(node.saved_bytes.at(4) * share)
+        assert rank.params == node.params  # norm weights stay whole
+    assert [c.at(4) / 2 for c in gpt.graph.cut_bytes] == \
+        [c.at(4) for c in sequence.graph.cut_bytes]
