@@ -6,13 +6,20 @@ weights are the rank's rows of each column-parallel linear (for a fused projecti
 each piece) and columns of each row-parallel one. A row-parallel linear's output is then a
 partial sum that one all-reduce completes (Shoeybi et al., 2019, §3); its bias belongs to one
 rank, so that the sum counts it once.
+
+``parallel_graph`` adds Megatron-LM's conjugate operations as calls: *enter* (forward the
+identity, backward an all-reduce of the gradient) on each value a region's column linears
+read, *reduce* (forward an all-reduce, backward the identity) after each row-parallel linear,
+whose bias is then added once, whole, on every rank, and *gather* (forward an all-gather along
+the last dimension, backward the rank's slice) on each output the model returns split.
 """
 
 from __future__ import annotations
 
 import copy
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,7 +27,7 @@ from torch import fx
 
 from pipec.frontend.shardable import Region, ShapeRewrite
 
-__all__ = ["local_graph", "local_weights"]
+__all__ = ["Collectives", "local_graph", "local_weights", "parallel_graph"]
 
 
 def local_graph(gm: fx.GraphModule, regions: Sequence[Region], tp: int) -> fx.GraphModule:
@@ -32,6 +39,74 @@ def local_graph(gm: fx.GraphModule, regions: Sequence[Region], tp: int) -> fx.Gr
         for rewrite in region.rewrites:
             _rewrite(graph, nodes[rewrite.node], rewrite, tp)
     return fx.GraphModule(gm, graph, type(gm).__name__)
+
+
+@dataclass(frozen=True)
+class Collectives:
+    """The functions ``parallel_graph`` calls (each takes and returns one tensor)."""
+
+    enter: Callable[[torch.Tensor], torch.Tensor]
+    reduce: Callable[[torch.Tensor], torch.Tensor]
+    gather: Callable[[torch.Tensor], torch.Tensor]
+
+
+def parallel_graph(gm: fx.GraphModule, regions: Sequence[Region], tp: int,
+                   collectives: Collectives) -> fx.GraphModule:
+    """``local_graph`` with the regions' collectives; row-parallel biases added after the
+    all-reduce (the rank's weights: ``local_weights(..., whole_row_bias=True)``)."""
+    local = local_graph(gm, regions, tp)
+    graph = local.graph
+    nodes = {n.name: n for n in graph.nodes}
+    for region in regions:
+        _enter(graph, [nodes[c] for c in region.column_nodes], collectives.enter)
+        for name in region.row_nodes:
+            _reduce(local, nodes[name], collectives.reduce)
+        for name in region.gathered:
+            _after(graph, nodes[name], collectives.gather)
+    graph.lint()
+    local.recompile()
+    return local
+
+
+def _enter(graph: fx.Graph, columns: list[fx.Node], enter: Callable[..., Any]) -> None:
+    """One *enter* per value the columns read, placed before its first reader."""
+    entered: dict[fx.Node, fx.Node] = {}
+    for column in columns:
+        value = column.args[0]
+        assert isinstance(value, fx.Node)
+        if value not in entered:
+            with graph.inserting_before(column):
+                entered[value] = graph.call_function(enter, (value,))
+        column.args = (entered[value], *column.args[1:])
+
+
+def _reduce(gm: fx.GraphModule, row: fx.Node, reduce: Callable[..., Any]) -> None:
+    """The row linear without its bias, the all-reduce, then the bias."""
+    graph = gm.graph
+    bias: Any = None
+    if row.op == "call_module":
+        path = str(row.target)
+        with graph.inserting_before(row):
+            weight = graph.get_attr(path + ".weight")
+            if gm.get_submodule(path).bias is not None:
+                bias = graph.get_attr(path + ".bias")
+        row.op, row.target = "call_function", torch.nn.functional.linear
+        row.args, row.kwargs = (row.args[0], weight), {}
+    elif len(row.args) > 2 or "bias" in row.kwargs:
+        bias = row.args[2] if len(row.args) > 2 else row.kwargs["bias"]
+        row.args, row.kwargs = row.args[:2], {}
+    reduced = _after(graph, row, reduce)
+    if bias is not None:
+        _after(graph, reduced, operator.add, bias)
+
+
+def _after(graph: fx.Graph, node: fx.Node, function: Callable[..., Any], *more: Any
+           ) -> fx.Node:
+    """``function(node, *more)`` placed after ``node``, which its users now read."""
+    with graph.inserting_after(node):
+        new = graph.call_function(function, (node, *more))
+    node.replace_all_uses_with(new, delete_user_cb=lambda user: user is not new)
+    return new
 
 
 def _rewrite(graph: fx.Graph, node: fx.Node, rewrite: ShapeRewrite, tp: int) -> None:
@@ -56,9 +131,11 @@ def _divided(graph: fx.Graph, before: fx.Node, size: Any, tp: int) -> Any:
 
 
 def local_weights(state: Mapping[str, torch.Tensor], regions: Sequence[Region], tp: int,
-                  rank: int) -> dict[str, torch.Tensor]:
+                  rank: int, whole_row_bias: bool = False) -> dict[str, torch.Tensor]:
     """Rank ``rank``'s tensors of ``state`` (the whole model's state dict): the linears of
-    ``regions`` sharded, everything else as it is."""
+    ``regions`` sharded, everything else as it is. A row-parallel bias is on rank 0 alone
+    (zeros elsewhere), or whole on every rank for ``parallel_graph``, which adds it after the
+    all-reduce."""
     local = dict(state)
     for region in regions:
         fused = dict(region.fused)
@@ -70,7 +147,7 @@ def local_weights(state: Mapping[str, torch.Tensor], regions: Sequence[Region], 
         for path in region.rows:
             weight = state[path + ".weight"]
             local[path + ".weight"] = weight.chunk(tp, dim=1)[rank].contiguous()
-            if path + ".bias" in state and rank != 0:
+            if path + ".bias" in state and rank != 0 and not whole_row_bias:
                 local[path + ".bias"] = torch.zeros_like(state[path + ".bias"])
     return local
 

@@ -1,20 +1,25 @@
 """Each rank's local graph and weights, run in lockstep with the all-reduces and all-gathers of
 its regions done by hand, give the whole model's output: the sample GPT (fused q/k/v) at tp 2
-and 4, the LLaMA-shaped model (grouped-query attention, fused k/v, SwiGLU) at tp 2."""
+and 4, the LLaMA-shaped model (grouped-query attention, fused k/v, SwiGLU) at tp 2. With the
+collectives in the graph, a training step on two gloo ranks gives the whole model's loss and
+each rank its shard of the whole model's gradients."""
 
 from __future__ import annotations
 
 import copy
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch import fx, nn
 from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
 
-from conftest import MODELS, SAMPLES
-from pipec.codegen.local_shards import local_graph, local_weights
+from conftest import MODELS, SAMPLES, free_port
+from pipec.codegen.local_shards import Collectives, local_graph, local_weights, parallel_graph
 from pipec.frontend.loader import load_model_file
 from pipec.frontend.shardable import Region, Shardable, find_shardable
 
@@ -87,3 +92,106 @@ def test_a_rank_alone_computes_a_different_model() -> None:
     ranks = rank_modules(gm, shardable.regions, 2)
     no_reduce = tuple(replace(r, rows=()) for r in shardable.regions)
     assert not torch.allclose(run_in_lockstep(ranks, no_reduce, inputs), gm(*inputs))
+
+
+class Enter(torch.autograd.Function):
+    """Megatron-LM's f: identity forward, all-reduce of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        dist.all_reduce(grad)
+        return grad
+
+
+class Reduce(torch.autograd.Function):
+    """Megatron-LM's g: all-reduce forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        x = x.clone()
+        dist.all_reduce(x)
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+class Gather(torch.autograd.Function):
+    """All-gather along the last dimension forward; the rank's slice of the gradient back."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, x.contiguous())
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.chunk(dist.get_world_size(), dim=-1)[dist.get_rank()].contiguous()
+
+
+def enter(x: torch.Tensor) -> torch.Tensor:
+    return Enter.apply(x)  # type: ignore[no-any-return]
+
+
+def reduce(x: torch.Tensor) -> torch.Tensor:
+    return Reduce.apply(x)  # type: ignore[no-any-return]
+
+
+def gather(x: torch.Tensor) -> torch.Tensor:
+    return Gather.apply(x)  # type: ignore[no-any-return]
+
+
+COLLECTIVES = Collectives(enter, reduce, gather)
+
+
+def train_step_worker(rank: int, tp: int, port: int, model: str, report: str) -> None:
+    """One tp rank: the whole model's loss and gradients here, then the rank's parallel graph's;
+    the largest differences written to ``report``.rank."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=tp)
+    gm, shardable, inputs = traced(Path(model))
+    spec = load_model_file(Path(model))
+    torch.manual_seed(1)
+    targets = spec.sample_batch(3)[-1]
+    expected_loss = spec.module.loss_fn(gm(*inputs), targets)
+    expected_loss.backward()
+    whole = {name: p.grad for name, p in gm.named_parameters()}
+    state = {name: t.detach() for name, t in gm.state_dict().items()}
+    local = copy.deepcopy(parallel_graph(gm, shardable.regions, tp, COLLECTIVES))
+    for name, tensor in local_weights(state, shardable.regions, tp, rank, True).items():
+        parent, _, leaf = name.rpartition(".")
+        setattr(local.get_submodule(parent), leaf, nn.Parameter(tensor.clone()))
+    loss = spec.module.loss_fn(local(*inputs), targets)
+    loss.backward()
+    wanted = local_weights(whole, shardable.regions, tp, rank, True)
+    worst = max(float((p.grad - wanted[name]).abs().max()) for name, p in local.named_parameters())
+    Path(f"{report}.{rank}").write_text(f"{abs(float(loss - expected_loss))} {worst}")
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("model", [SAMPLES / "gpt.py", MODELS / "gqa_lm.py"], ids=str)
+def test_a_training_step_over_gloo_gives_the_whole_models_gradients(model: Path,
+                                                                   tmp_path: Path) -> None:
+    """Two forked ranks, real all-reduces: the loss, and each rank's gradients equal its shard
+    of the whole model's (column and row weights, whole biases, replicated norms and
+    embeddings)."""
+    context = mp.get_context("fork")
+    port = free_port()
+    ranks = [context.Process(target=train_step_worker,
+                             args=(r, 2, port, str(model), str(tmp_path / "report")))
+             for r in range(2)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(timeout=120)
+        assert process.exitcode == 0
+    for rank in range(2):
+        loss_gap, gradient_gap = map(float, (tmp_path / f"report.{rank}").read_text().split())
+        assert loss_gap < 1e-5 and gradient_gap < 1e-5, (rank, loss_gap, gradient_gap)
