@@ -211,7 +211,13 @@ class _Propagation:
     def _linear(self, node: fx.Node) -> None:
         x = node.args[0]
         state = self.state.get(x) if isinstance(x, fx.Node) else None
-        out_features, in_features = self._weight_shape(node)
+        try:
+            out_features, in_features = self._weight_shape(node)
+        except _Conflict as conflict:  # a weight computed in forward (a transposed tie)
+            if state is not None:
+                self.conflicts.setdefault(self._root(_first_region(state)),
+                                          f"{node.name} (linear) {conflict}")
+            return
         if state is None:
             if node.name in self.kept:
                 return
@@ -510,12 +516,12 @@ class _Propagation:
             if node.op == "call_module":
                 module = self.gm.get_submodule(str(node.target))
                 found.append((str(node.target), int(module.num_embeddings)))
-            elif isinstance(node.args[0], fx.Node):
+            elif isinstance(node.args[0], fx.Node) and node.args[0].op == "get_attr":
                 weight = _attribute(self.gm, node.args[0])
                 found.append((str(node.args[0].target).removesuffix(".weight"),
                               int(weight.shape[0])))
             else:
-                continue
+                continue  # a weight computed in forward: not listed
             nodes.append(node.name)
         return tuple(found), tuple(nodes)
 

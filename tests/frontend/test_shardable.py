@@ -148,3 +148,23 @@ def test_a_tp_degree_below_one_is_a_user_error(gpt: Shardable, tmp_path: Path) -
     with pytest.raises(ConfigError, match="--tp 0"):
         render_shardable(gpt, 0)
     assert main(["inspect", str(SAMPLES / "gpt.py"), "--tp", "0"]) == 2
+
+
+class ComputedWeight(nn.Module):
+    """A linear whose weight forward computes (a transposed tie): no region, and no crash."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(8, 16)
+        self.scale = nn.Parameter(torch.ones(16, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(x)
+        return F.linear(h, self.scale.t() * 2)
+
+
+def test_a_linear_with_a_computed_weight_keeps_its_region_whole() -> None:
+    found = shardable_of(ComputedWeight(), torch.randn(2, 8))
+    assert found.regions == ()
+    assert [w.path for w in found.whole] == ["up"]
+    assert "not a model attribute" in found.whole[0].reason
