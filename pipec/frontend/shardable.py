@@ -330,14 +330,16 @@ class _Propagation:
             dim, pieces = dim + 1, (pieces[0],)  # fused q/k/v: a dimension of the three
         elif len(pieces) > 1:
             raise _Conflict("reshapes a fused projection's output")
-        self._parts_of(state).rewrites.append(ShapeRewrite(node.name, dim))
+        if op_name(self.gm, node) != "flatten":  # flatten names no sizes
+            self._parts_of(state).rewrites.append(_size_rewrite(node, dim, len(target)))
         self._parts_of(state).sizes.add(target[dim])
         return _Shard(dim, (target[dim],), state.region)
 
     def _expand(self, node: fx.Node) -> _Shard:
         state = self._input(node)
         offset = len(self.shapes[node.name]) - len(self.shapes[_first_node(node).name])
-        self._parts_of(state).rewrites.append(ShapeRewrite(node.name, state.dim + offset))
+        self._parts_of(state).rewrites.append(
+            _size_rewrite(node, state.dim + offset, len(self.shapes[node.name])))
         return _Shard(state.dim + offset, state.pieces, state.region)
 
     def _unsqueeze(self, node: fx.Node) -> _Shard:
@@ -540,6 +542,16 @@ def _merge(into: _RegionParts, parts: _RegionParts) -> None:
     into.fused.update(parts.fused)
     into.inputs += [name for name in parts.inputs if name not in into.inputs]
     into.attention |= parts.attention
+
+
+def _size_rewrite(node: fx.Node, dim: int, rank: int) -> ShapeRewrite:
+    """The rewrite of a view's, reshape's or expand's ``dim``-th size: its arguments must list
+    one size per dimension (``x.view(b, t, h, d)`` or a list), not one computed shape."""
+    listed = len(node.args) == 2 and isinstance(node.args[1], list | tuple)
+    sizes = node.args[1] if listed else node.args[1:]
+    if len(sizes) != rank:  # type: ignore[arg-type]
+        raise _Conflict("takes its shape as one computed value")
+    return ShapeRewrite(node.name, dim)
 
 
 def _spans(shape: tuple[int, ...], start: int, size: int) -> bool:

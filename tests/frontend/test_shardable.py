@@ -168,3 +168,41 @@ def test_a_linear_with_a_computed_weight_keeps_its_region_whole() -> None:
     assert found.regions == ()
     assert [w.path for w in found.whole] == ["up"]
     assert "not a model attribute" in found.whole[0].reason
+
+
+class ComputedShape(nn.Module):
+    """Heads split by a shape forward computes as one value: the view cannot be rewritten."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.qkv(x)
+        heads = h.view(x.shape[:-1] + (2, 4))  # noqa: RUF005 (one computed shape: the case)
+        return self.out(heads.flatten(-2))
+
+
+def test_a_view_to_a_computed_shape_keeps_its_region_whole() -> None:
+    found = shardable_of(ComputedShape(), torch.randn(3, 8))
+    assert [w.path for w in found.whole] == ["qkv"]
+    assert "one computed value" in found.whole[0].reason
+    assert kinds(found) == ["head"]  # the output linear, now reading a whole value
+
+
+class Flattened(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(8, 8)
+        self.down = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        heads = self.up(x).view(x.shape[0], 2, 4)
+        return self.down(heads.flatten(1))
+
+
+def test_flatten_merges_the_heads_back_without_a_rewrite() -> None:
+    found = shardable_of(Flattened(), torch.randn(3, 8))
+    assert [(r.kind, r.columns, r.rows) for r in found.regions] == [("MLP", ("up",), ("down",))]
+    assert [r.node for r in found.regions[0].rewrites] == ["view"]
