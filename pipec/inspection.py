@@ -163,8 +163,8 @@ def render_shardable(shardable: Shardable, tp: int) -> str:
     regions = tabulate([_region_cells(r, tp) for r in shardable.regions],
                        ("region", "column-parallel", "row-parallel", "head reshapes",
                         "all-reduces fwd / bwd", f"shards over {tp}?"), tablefmt="github")
-    embeddings = tabulate([(path, f"{rows:,}", _divides(rows, tp))
-                           for path, rows in shardable.vocabulary],
+    embeddings = tabulate([(e.path, f"{e.rows:,}", _divides(e.rows, tp))
+                           for e in shardable.vocabulary],
                           ("embedding", "rows", "vocabulary-parallel?"), tablefmt="github")
     whole = (tabulate([(w.path, w.reason) for w in shardable.whole], ("stays whole", "why"),
                       tablefmt="github") if shardable.whole else "Every linear is in a region.")
@@ -192,6 +192,6 @@ def _divides(size: int, tp: int) -> str:
 def shardable_json(shardable: Shardable, tp: int) -> dict[str, Any]:
     return {"tp": tp, "regions": [{**asdict(r), "shards": r.allows(tp)}
                                   for r in shardable.regions],
-            "vocabulary": [{"embedding": p, "rows": n, "shards": n % tp == 0}
-                           for p, n in shardable.vocabulary],
+            "vocabulary": [{"embedding": e.path, "rows": e.rows, "shards": e.rows % tp == 0}
+                           for e in shardable.vocabulary],
             "whole": [asdict(w) for w in shardable.whole]}

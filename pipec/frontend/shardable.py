@@ -21,13 +21,15 @@ aten operators.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from torch import fx
 
-__all__ = ["Region", "ShapeRewrite", "Shardable", "WholeLinear", "find_shardable"]
+__all__ = ["Region", "ShapeRewrite", "Shardable", "VocabularyEmbedding", "WholeLinear",
+           "find_shardable"]
 
 
 @dataclass(frozen=True)
@@ -74,11 +76,19 @@ class WholeLinear:
 
 
 @dataclass(frozen=True)
+class VocabularyEmbedding:
+    """An embedding that can shard its rows over the tp ranks (vocabulary-parallel)."""
+
+    path: str
+    rows: int
+    node: str
+
+
+@dataclass(frozen=True)
 class Shardable:
     regions: tuple[Region, ...]
-    vocabulary: tuple[tuple[str, int], ...]  # embeddings (path, rows): vocabulary-parallel
+    vocabulary: tuple[VocabularyEmbedding, ...]
     whole: tuple[WholeLinear, ...]
-    vocabulary_nodes: tuple[str, ...] = ()  # the embeddings' graph nodes
 
     def degrees(self, limit: int) -> tuple[int, ...]:
         """The tp degrees up to ``limit`` that every region allows."""
@@ -91,8 +101,7 @@ class Shardable:
 
     def embeddings_at(self, tp: int) -> tuple[str, ...]:
         """The graph nodes of the embeddings whose rows ``tp`` divides."""
-        return tuple(node for node, (_, rows) in zip(self.vocabulary_nodes, self.vocabulary,
-                                                     strict=True) if rows % tp == 0)
+        return tuple(e.node for e in self.vocabulary if e.rows % tp == 0)
 
 
 @dataclass(frozen=True)
@@ -169,6 +178,7 @@ class _Propagation:
     def __init__(self, gm: fx.GraphModule, shapes: Mapping[str, tuple[int, ...]],
                  kept: frozenset[str]) -> None:
         self.gm, self.shapes, self.kept = gm, shapes, kept
+        self.nodes = {n.name: n for n in gm.graph.nodes}
         self.state: dict[fx.Node, Any] = {}  # a _Shard, or a list of them for a tuple
         self.parent: list[int] = []
         self.parts: list[_RegionParts] = []
@@ -393,11 +403,10 @@ class _Propagation:
         state = self._input(node)
         source = self.shapes[_first_node(node).name]
         dim = _normalized(_arg(node, 1 if op == "unbind" else 2, "dim", 0), len(source))
-        users = sorted(node.users, key=lambda u: u.args[1] if len(u.args) > 1 else 0)
-        sizes = [self.shapes[u.name][dim] if op != "unbind" else 1 for u in users]
+        sizes = _split_sizes(node, op, source[dim])
         if dim != state.dim:
             shift = int(op == "unbind" and dim < state.dim)
-            return [_Shard(state.dim - shift, state.pieces, state.region)] * len(node.users)
+            return [_Shard(state.dim - shift, state.pieces, state.region)] * len(sizes)
         fused = len(state.pieces) == 1 and state.column and sum(sizes) == state.pieces[0]
         if op == "unbind" or not (fused or tuple(sizes) == state.pieces):
             raise _Conflict("splits the split dimension other than into its fused pieces")
@@ -426,8 +435,8 @@ class _Propagation:
             if item is None:
                 dim += source_dim <= state.dim
                 continue
-            if item is Ellipsis or isinstance(item, fx.Node | int) or (source_dim == state.dim \
-                    and item != slice(None)):
+            split_here = source_dim == state.dim and item != slice(None)
+            if item is Ellipsis or isinstance(item, fx.Node | int) or split_here:
                 raise _Conflict("indexes the split value")
             source_dim += 1
         return _Shard(dim, state.pieces, state.region)
@@ -485,9 +494,8 @@ class _Propagation:
             _merge(into, parts)
         order = {n.name: i for i, n in enumerate(self.gm.graph.nodes)}
         regions = tuple(self._region(parts, order) for parts in merged.values())
-        vocabulary, vocabulary_nodes = self._vocabulary()
-        return Shardable(tuple(sorted(regions, key=lambda r: order[r.nodes[0]])), vocabulary,
-                         self._whole(kept), vocabulary_nodes)
+        return Shardable(tuple(sorted(regions, key=lambda r: order[r.nodes[0]])),
+                         self._vocabulary(), self._whole(kept))
 
     def _region(self, parts: _RegionParts, order: Mapping[str, int]) -> Region:
         kind = ("attention" if parts.attention else "head" if not parts.rows
@@ -501,31 +509,29 @@ class _Propagation:
                       tuple(parts.row_bias))
 
     def _path(self, name: str) -> str:
-        node = next(n for n in self.gm.graph.nodes if n.name == name)
+        node = self.nodes[name]
         if node.op == "call_module":
             return str(node.target)
         weight = node.args[1]
         return str(weight.target).removesuffix(".weight") if isinstance(weight, fx.Node) \
             else name
 
-    def _vocabulary(self) -> tuple[tuple[tuple[str, int], ...], tuple[str, ...]]:
-        """Each embedding's (path, rows), and its node."""
-        found: list[tuple[str, int]] = []
-        nodes: list[str] = []
+    def _vocabulary(self) -> tuple[VocabularyEmbedding, ...]:
+        found = []
         for node in self.gm.graph.nodes:
             if op_name(self.gm, node) != "embedding":
                 continue
             if node.op == "call_module":
                 module = self.gm.get_submodule(str(node.target))
-                found.append((str(node.target), int(module.num_embeddings)))
+                found.append(VocabularyEmbedding(str(node.target), int(module.num_embeddings),
+                                                 node.name))
             elif isinstance(node.args[0], fx.Node) and node.args[0].op == "get_attr":
                 weight = _attribute(self.gm, node.args[0])
-                found.append((str(node.args[0].target).removesuffix(".weight"),
-                              int(weight.shape[0])))
-            else:
-                continue  # a weight computed in forward: not listed
-            nodes.append(node.name)
-        return tuple(found), tuple(nodes)
+                found.append(VocabularyEmbedding(
+                    str(node.args[0].target).removesuffix(".weight"), int(weight.shape[0]),
+                    node.name))
+            # else a weight computed in forward: not listed
+        return tuple(found)
 
     def _whole(self, kept: Mapping[str, str]) -> tuple[WholeLinear, ...]:
         return tuple(WholeLinear(self._path(name), reason) for name, reason in kept.items())
@@ -542,6 +548,21 @@ def _merge(into: _RegionParts, parts: _RegionParts) -> None:
     into.fused.update(parts.fused)
     into.inputs += [name for name in parts.inputs if name not in into.inputs]
     into.attention |= parts.attention
+
+
+def _split_sizes(node: fx.Node, op: str, extent: int) -> list[int]:
+    """The sizes a split, chunk or unbind of a dimension of ``extent`` cuts it into."""
+    if op == "unbind":
+        return [1] * extent
+    how = _arg(node, 1, "split_size", None)
+    for name in ("split_size_or_sections", "split_sizes", "sections", "chunks"):
+        how = node.kwargs.get(name, how) if how is None else how
+    if isinstance(how, list | tuple):
+        return [int(size) for size in how]
+    if not isinstance(how, int):
+        raise _Conflict("splits by a computed size")
+    size = -(-extent // how) if op == "chunk" else how  # torch.chunk: ceil(extent / chunks)
+    return [min(size, extent - start) for start in range(0, extent, size)]
 
 
 def _size_rewrite(node: fx.Node, dim: int, rank: int) -> ShapeRewrite:
@@ -594,8 +615,5 @@ def _normalized(dim: Any, rank: int) -> int:
 def _attribute(gm: fx.GraphModule, node: Any) -> Any:
     if not isinstance(node, fx.Node) or node.op != "get_attr":
         raise _Conflict("takes a weight that is not a model attribute")
-    value: Any = gm
-    for part in str(node.target).split("."):
-        value = getattr(value, part)
-    return value
+    return operator.attrgetter(str(node.target))(gm)
 

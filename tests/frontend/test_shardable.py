@@ -49,7 +49,7 @@ def test_the_sample_gpt_shards_attention_mlp_and_head(gpt: Shardable) -> None:
     head = gpt.regions[-1]
     assert (head.columns, head.rows, head.gathered) == (("head",), (), ("head",))
     assert gpt.whole == ()
-    assert gpt.vocabulary == (("tok_emb", 256), ("pos_emb", 32))
+    assert [(e.path, e.rows) for e in gpt.vocabulary] == [("tok_emb", 256), ("pos_emb", 32)]
 
 
 def test_a_degree_must_divide_the_heads_and_features(gpt: Shardable) -> None:
@@ -206,3 +206,27 @@ def test_flatten_merges_the_heads_back_without_a_rewrite() -> None:
     found = shardable_of(Flattened(), torch.randn(3, 8))
     assert [(r.kind, r.columns, r.rows) for r in found.regions] == [("MLP", ("up",), ("down",))]
     assert [r.node for r in found.regions[0].rewrites] == ["view"]
+
+
+class SkipsAChunk(nn.Module):
+    """Chunks along the tokens, one chunk unused: the split features pass through."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(8, 16)
+        self.down = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first, _, last = self.up(x).chunk(3, dim=1)
+        return self.down(first + last)
+
+
+def test_a_split_along_another_dimension_keeps_every_piece_split() -> None:
+    gm = fx.symbolic_trace(SkipsAChunk())
+    gm.graph.eliminate_dead_code()  # as torch.export leaves it: no node for the unused chunk
+    gm.recompile()
+    ShapeProp(gm).propagate(torch.randn(2, 3, 8))
+    shapes = {n.name: tuple(n.meta["tensor_meta"].shape) for n in gm.graph.nodes
+              if isinstance(n.meta.get("tensor_meta"), torch.fx.passes.shape_prop.TensorMetadata)}
+    found = find_shardable(gm, shapes)
+    assert [(r.columns, r.rows) for r in found.regions] == [(("up",), ("down",))]
