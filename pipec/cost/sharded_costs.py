@@ -67,9 +67,9 @@ def shard_costs(graph: CostGraph, regions: Sequence[Region], tp: int,
         if n.name in inside:
             n = _shard(n, tp, rows.get(n.name), n.name in columns)
         elif n.name in embeddings:
-            n = _vocabulary_shard(n, tp)
+            n = _weights(n, tp)
         elif sequence_parallel:
-            n = _sequence_shard(n, tp)
+            n = _split_work(n, tp)
         nodes.append(replace(n, tp_forward_bytes=forward,
                              tp_backward_bytes=backward.get(n.name, _NONE)))
     split = inside - set(rows) - gathered  # whole after their all-reduce or all-gather
@@ -91,7 +91,8 @@ def _split(quantity: Linear, tp: int) -> Linear:
     return Linear(quantity.fixed / tp, quantity.per_sample / tp)
 
 
-def _sequence_shard(node: NodeCost, tp: int) -> NodeCost:
+def _split_work(node: NodeCost, tp: int) -> NodeCost:
+    """``node`` on 1/tp of its features, heads or sequence: its FLOPs and activations."""
     return replace(node, fwd_flops=_split(node.fwd_flops, tp),
                    bwd_flops=_split(node.bwd_flops, tp),
                    output_bytes=_split(node.output_bytes, tp),
@@ -104,7 +105,7 @@ def _forward_bytes(node: NodeCost, reduced: bool, gathered: bool) -> Linear:
     if reduced:
         return node.output_bytes
     if gathered:
-        return Linear(node.output_bytes.fixed / 2, node.output_bytes.per_sample / 2)
+        return _split(node.output_bytes, 2)
     return _NONE
 
 
@@ -117,24 +118,18 @@ def _total(quantities: Iterable[Linear]) -> Linear:
 
 def _shard(node: NodeCost, tp: int, row_bias: int | None, column: bool) -> NodeCost:
     """``row_bias``: the node is row-parallel, with a bias of this many values (0: none),
-    whole on every rank."""
-    def split(quantity: Linear) -> Linear:
-        return _split(quantity, tp)
-
-    row = row_bias is not None
-    bias = row_bias or 0
-    item = node.param_bytes // max(node.params, 1)
-    return replace(
-        node, fwd_flops=split(node.fwd_flops), bwd_flops=split(node.bwd_flops),
-        output_bytes=node.output_bytes if row else split(node.output_bytes),
-        saved_bytes=node.saved_bytes if column else split(node.saved_bytes),
-        working_bytes=split(node.working_bytes), selective_bytes=split(node.selective_bytes),
-        params=(node.params - bias) // tp + bias,
-        param_bytes=((node.params - bias) // tp + bias) * item,
-        shared_bytes=node.shared_bytes // tp)
+    whole on every rank, as is its output; a column-parallel node saves its whole input."""
+    split = _split_work(node, tp)
+    split = replace(split, output_bytes=node.output_bytes if row_bias is not None
+                    else split.output_bytes,
+                    saved_bytes=node.saved_bytes if column else split.saved_bytes)
+    return _weights(split, tp, whole=row_bias or 0)
 
 
-def _vocabulary_shard(node: NodeCost, tp: int) -> NodeCost:
-    item = node.param_bytes // max(node.params, 1)
-    return replace(node, params=node.params // tp, param_bytes=node.params // tp * item,
+def _weights(node: NodeCost, tp: int, whole: int = 0) -> NodeCost:
+    """The node's parameters on one rank: 1/tp of them, but ``whole`` of them on every rank
+    (a vocabulary-parallel embedding: none)."""
+    params = (node.params - whole) // tp + whole
+    return replace(node, params=params,
+                   param_bytes=params * (node.param_bytes // max(node.params, 1)),
                    shared_bytes=node.shared_bytes // tp)
