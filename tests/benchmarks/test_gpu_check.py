@@ -31,6 +31,5 @@ def test_every_phase_of_the_device_check_passes_a_dry_run(tmp_path: Path) -> Non
     assert phases["losses"]["figures"]["within_1e-4"], phases["losses"]["figures"]
     assert len(phases["losses"]["figures"]["largest_relative_difference"]) == 6
     assert phases["measured"]["figures"]["node_times_measured"]
-    assert phases["communicators"]["figures"]["after_4_communicators_mib"] > 0
     assert all(m["allocated_mib"] > 0 for m in phases["memory"]["figures"]["memory"].values())
     assert set(phases["step_time"]["figures"]["step_time"]) == {"gpt", "resnet"}

@@ -195,8 +195,10 @@ def test_a_model_too_big_to_measure_here_is_planned_from_the_preset(
     blocks to measure one at a time; the compile says so and plans from the preset instead of
     being killed for memory."""
     monkeypatch.setenv("PIPEC_CACHE_DIR", str(tmp_path / "cache"))
+    # This host's free memory, fixed: on a larger host the model would be measured whole.
+    monkeypatch.setattr("pipec.calibration.by_default.free_bytes", lambda _: 16 * 2**30)
     caplog.set_level(logging.WARNING)
-    with contextlib.suppress(InfeasibleError):
+    with contextlib.suppress(InfeasibleError):  # planned from the preset: it may not fit
         compile_to(MODELS / "huge_linear.py", tmp_path / "o", gpus=8, batch_size=8,
                    measure="auto", pp=None)
     assert re.search(r"not measuring .*huge_linear\.py here: its passes would hold the whole "
