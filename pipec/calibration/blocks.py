@@ -151,7 +151,10 @@ def measuring_plan(graph: CostGraph) -> SpanPlan | None:
     if blocks is None:
         return None
     first = blocks.starts[0]
-    spans = ((0, first), (first, first + blocks.length), (blocks.end, len(graph.nodes)))
+    # The last span returns the model's output, which the loss is timed on: where nothing
+    # follows the blocks, the last block is that span, measured on its own.
+    after = blocks.end if blocks.end < len(graph.nodes) else blocks.starts[-1]
+    spans = ((0, first), (first, first + blocks.length), (after, len(graph.nodes)))
     return SpanPlan(blocks, spans)
 
 
@@ -214,8 +217,8 @@ def _span_inputs(spec: ModelSpec, traced: Traced, graph: CostGraph, plan: SpanPl
                  spans: list[Span], modules: list[fx.GraphModule], sizes: list[int],
                  device: torch.device) -> list[dict[int, tuple[Any, ...]]]:
     """Each span's inputs at each size: the model's inputs and what the spans before it
-    computed, the first block's outputs standing in for the last block's."""
-    stand_in = _last_block_names(graph, plan)
+    computed, the first block's values standing in for the other blocks'."""
+    stand_in = _block_names(graph, plan)
     inputs: list[dict[int, tuple[Any, ...]]] = [{} for _ in spans]
     for size in sizes:
         placeholders = [n.name for n in traced.graph_module.graph.nodes if n.op == "placeholder"]
@@ -230,11 +233,12 @@ def _span_inputs(spec: ModelSpec, traced: Traced, graph: CostGraph, plan: SpanPl
     return inputs
 
 
-def _last_block_names(graph: CostGraph, plan: SpanPlan) -> dict[str, str]:
-    """Each node of the last block by the name of the first block's node at its place."""
-    first, last = plan.blocks.starts[0], plan.blocks.starts[-1]
-    return {graph.nodes[last + k].name: graph.nodes[first + k].name
-            for k in range(plan.blocks.length)}
+def _block_names(graph: CostGraph, plan: SpanPlan) -> dict[str, str]:
+    """Each node of the blocks after the first by the name of the first block's node at its
+    place (the last span reads the last block's outputs, or the one's before it)."""
+    first, length = plan.blocks.starts[0], plan.blocks.length
+    return {graph.nodes[start + k].name: graph.nodes[first + k].name
+            for start in plan.blocks.starts[1:] for k in range(length)}
 
 
 def _on(tensors: tuple[torch.Tensor, ...], device: torch.device) -> Iterator[torch.Tensor]:

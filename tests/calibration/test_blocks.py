@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, SAMPLES
+from conftest import MODELS, ROOT, SAMPLES
 from pipec.calibration.blocks import measuring_plan, profile_by_blocks, repeated_blocks, span_of
 from pipec.calibration.by_default import measure_locally
 from pipec.calibration.profile import _with_real_tensors
@@ -93,3 +93,18 @@ def test_a_model_larger_than_this_host_is_measured_block_by_block(
     assert len(local.calibration.nodes) == len(graph.nodes)
     assert "block by block: its passes would hold the whole model" in caplog.text
     assert "Its 120 identical blocks (blocks.0 to blocks.119)" in caplog.text
+
+
+def test_a_model_that_ends_on_its_last_block_times_its_loss_there() -> None:
+    """Nothing follows the blocks: the last block is measured on its own as the span that
+    returns the model's output, which the loss is timed on."""
+    spec = load_model_file(MODELS / "only_blocks.py")
+    traced = trace_model(spec, "fx", "cpu")
+    graph = annotate(traced, spec, bf16_memory=False)
+    plan = measuring_plan(graph)
+    assert plan is not None and plan.blocks.end == len(graph.nodes)
+    assert plan.spans[-1] == (plan.blocks.starts[-1], len(graph.nodes))
+    calibration = profile_by_blocks(spec, traced, graph, plan, [1, 2], torch.device("cpu"),
+                                    2, False, 0.0, 1)
+    assert [t.node for t in calibration.nodes] == [n.name for n in graph.nodes]
+    assert calibration.loss is not None
