@@ -4,14 +4,13 @@ A rank's graph is the model's with every shape constant a region splits divided 
 head count, a split's sizes, repeat_kv's expand: pipec.frontend.shardable.ShapeRewrite); its
 weights are the rank's rows of each column-parallel linear (for a fused projection, its part of
 each piece) and columns of each row-parallel one. A row-parallel linear's output is then a
-partial sum that one all-reduce completes (Shoeybi et al., 2019, §3); its bias belongs to one
-rank, so that the sum counts it once.
+partial sum that one all-reduce completes (Shoeybi et al., 2019, §3).
 
-``parallel_graph`` adds Megatron-LM's conjugate operations as calls: *enter* (forward the
-identity, backward an all-reduce of the gradient) on each value a region's column linears
-read, *reduce* (forward an all-reduce, backward the identity) after each row-parallel linear,
-whose bias is then added once, whole, on every rank, and *gather* (forward an all-gather along
-the last dimension, backward the rank's slice) on each output the model returns split.
+The graph calls Megatron-LM's conjugate operations: *enter* (forward the identity, backward an
+all-reduce of the gradient) on each value a region's column linears read, *reduce* (forward an
+all-reduce, backward the identity) after each row-parallel linear, whose bias, whole on every
+rank, is added after it, and *gather* (forward an all-gather along the last dimension, backward
+the rank's slice) on each output the model returns split.
 """
 
 from __future__ import annotations
@@ -27,10 +26,10 @@ from torch import fx
 
 from pipec.frontend.shardable import Region, ShapeRewrite
 
-__all__ = ["Collectives", "local_graph", "local_weights", "parallel_graph"]
+__all__ = ["Collectives", "local_weights", "parallel_graph"]
 
 
-def local_graph(gm: fx.GraphModule, regions: Sequence[Region], tp: int) -> fx.GraphModule:
+def _local_graph(gm: fx.GraphModule, regions: Sequence[Region], tp: int) -> fx.GraphModule:
     """A copy of ``gm`` (its submodules shared) with the shape constants of every rank's
     shard; the same for every rank."""
     graph = copy.deepcopy(gm.graph)
@@ -52,9 +51,9 @@ class Collectives:
 
 def parallel_graph(gm: fx.GraphModule, regions: Sequence[Region], tp: int,
                    collectives: Collectives) -> fx.GraphModule:
-    """``local_graph`` with the regions' collectives; row-parallel biases added after the
-    all-reduce (the rank's weights: ``local_weights(..., whole_row_bias=True)``)."""
-    local = local_graph(gm, regions, tp)
+    """A tp rank's graph: ``gm`` with its regions' shape constants divided and their
+    collectives (the rank's weights: ``local_weights``)."""
+    local = _local_graph(gm, regions, tp)
     graph = local.graph
     nodes = {n.name: n for n in graph.nodes}
     for region in regions:
@@ -131,11 +130,9 @@ def _divided(graph: fx.Graph, before: fx.Node, size: Any, tp: int) -> Any:
 
 
 def local_weights(state: Mapping[str, torch.Tensor], regions: Sequence[Region], tp: int,
-                  rank: int, whole_row_bias: bool = False) -> dict[str, torch.Tensor]:
+                  rank: int) -> dict[str, torch.Tensor]:
     """Rank ``rank``'s tensors of ``state`` (the whole model's state dict): the linears of
-    ``regions`` sharded, everything else as it is. A row-parallel bias is on rank 0 alone
-    (zeros elsewhere), or whole on every rank for ``parallel_graph``, which adds it after the
-    all-reduce."""
+    ``regions`` sharded, everything else (row-parallel biases included) as it is."""
     local = dict(state)
     for region in regions:
         fused = dict(region.fused)
@@ -147,8 +144,6 @@ def local_weights(state: Mapping[str, torch.Tensor], regions: Sequence[Region], 
         for path in region.rows:
             weight = state[path + ".weight"]
             local[path + ".weight"] = weight.chunk(tp, dim=1)[rank].contiguous()
-            if path + ".bias" in state and rank != 0 and not whole_row_bias:
-                local[path + ".bias"] = torch.zeros_like(state[path + ".bias"])
     return local
 
 
