@@ -137,6 +137,10 @@ def _add_compile(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
                    help="the device mesh, outer dimension first: dp,pp puts each replica's "
                    "pipeline on neighbouring ranks, pp,dp each pipeline device's replicas "
                    "(auto: searched where it matters, across nodes)")
+    p.add_argument("--tp", default="1", metavar="K",
+                   help="tensor-parallel ranks per stage replica (Megatron-LM's attention and "
+                   "MLP sharding, found in the traced graph; tp innermost in the mesh, within "
+                   "a node), or auto: the fastest degree that fits (default: 1)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd", help="(sgd)")
     p.add_argument("--precision", choices=PRECISIONS, default="fp32", help="(fp32)")
     p.add_argument("--calibration", type=Path, default=None,

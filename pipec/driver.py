@@ -21,7 +21,9 @@ from pipec.frontend import (
     trace_model,
 )
 from pipec.frontend.normalization import with_functional_group_norms
+from pipec.frontend.shardable import Region, Shardable, find_shardable
 from pipec.planning import Plan, PlanRequest, check, check_request, plan
+from pipec.planning.tp_search import plan_at, plan_with_tp, tp_degrees, tp_groups
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,7 @@ class CompileOptions:
     boundaries: tuple[int, ...] | None = None  # pinned: each later stage's first node
     margin: float | None = None  # a fraction; None: the time model's measured error
     frontend: str = "auto"
+    tp: str = "1"  # tensor-parallel ranks per stage replica: a positive integer, or "auto"
     onnx: bool = False
     force: bool = False
 
@@ -74,7 +77,8 @@ def analyze(options: CompileOptions) -> Analyzed:
     traced = trace_model(spec, options.frontend, _device_type(request.devices))
     graph = annotate(traced, spec, autocast_device=_device_type(request.devices),
                      bf16_memory=options.precision == "bf16")
-    check(graph, request)  # the user's mistakes before the (slow, first-time) measurement
+    # The user's mistakes before the (slow, first-time) measurement.
+    check(graph, _checked_tp(request, tp_option(options.tp)))
     return Analyzed(spec, traced, graph,
                     _bind_calibration(_measured(request, options, graph), graph))
 
@@ -114,11 +118,11 @@ def _bind_calibration(request: PlanRequest, graph: CostGraph) -> PlanRequest:
 def compile_model(options: CompileOptions) -> tuple[Plan, Emitted]:
     analyzed = analyze(options)
     spec, traced, graph = analyzed.spec, analyzed.traced, analyzed.graph
-    chosen = plan(graph, analyzed.request)
+    chosen, regions = _plan_tp(analyzed, options.tp)
     norms = plan_norms(traced, graph, plan=chosen, choice=options.norm, groups=options.norm_groups)
     rewritten = with_functional_group_norms(traced.graph_module, norms.rewrites)
     staged = split(replace(traced, graph_module=rewritten), graph, chosen,
-                   user_module=spec.module.__name__)
+                   user_module=spec.module.__name__, regions=regions)
     emitted = emit(spec, traced, chosen, norms, staged, out=options.out, force=options.force,
                    finish=export_stages if options.onnx else None)
     log.info("wrote %s: %d stage(s), micro-batch %d, %s", emitted.out, chosen.pp,
@@ -126,10 +130,79 @@ def compile_model(options: CompileOptions) -> tuple[Plan, Emitted]:
     return chosen, emitted
 
 
+def _plan_tp(analyzed: Analyzed, tp: str) -> tuple[Plan, tuple[Region, ...]]:
+    """The plan, and the regions its tp ranks shard: at ``tp`` ranks, or the fastest degree
+    (``auto``) the node's devices and the regions allow."""
+    degree = tp_option(tp)
+    if degree == 1:
+        return plan(analyzed.graph, analyzed.request), ()
+    graph, request = analyzed.graph, _per_rank_request(analyzed.request)
+    shardable = find_shardable(analyzed.traced.graph_module,
+                               {v.name: v.shape_high for v in graph.values})
+    if degree is None:
+        # The emitted script has neither sequence nor vocabulary parallelism (yet): plan
+        # without them.
+        found = plan_with_tp(graph, shardable, request, tp_degrees(shardable, request),
+                             sequence_parallel=False, vocabulary_parallel=False)
+        if found.tp == 1:
+            return plan(graph, analyzed.request), ()
+        degree, chosen = found.tp, found.plan
+    else:
+        _check_regions(shardable, degree)
+        chosen = plan_at(graph, shardable, request, degree, sequence_parallel=False,
+                         vocabulary_parallel=False)
+    regions = shardable.regions_at(degree)
+    log.info("tensor parallelism: %d rank(s) per stage replica, %d region(s) sharded",
+             degree, len(regions))
+    return replace(chosen, tp=degree), regions
+
+
+def tp_option(tp: str) -> int | None:
+    """``--tp``: a positive integer, or None for ``auto``."""
+    if tp == "auto":
+        return None
+    if not tp.isdigit() or int(tp) < 1:
+        raise ConfigError(f"--tp {tp!r}: use a positive integer (the tensor-parallel ranks of "
+                          "each stage replica) or auto")
+    return int(tp)
+
+
+def _checked_tp(request: PlanRequest, tp: int | None) -> PlanRequest:
+    """The request the pipeline and replicas of ``tp`` ranks each see (``request`` itself
+    without tp or under auto), once ``tp`` divides a node's devices."""
+    if tp is None or tp == 1:
+        return request
+    per_node = request.gpus // request.nodes
+    if per_node % tp:
+        raise ConfigError(f"--tp {tp} does not divide the {per_node} device(s) of a node: a tp "
+                          "group's collectives run within a node; use a divisor of "
+                          f"{per_node} (--gpus {request.gpus}, --nodes {request.nodes})")
+    return tp_groups(request, tp)
+
+
+def _check_regions(shardable: Shardable, tp: int) -> None:
+    if not shardable.regions_at(tp):
+        why = "no Linear → Linear region or attention" if not shardable.regions else (
+            f"no region divides by {tp} (its heads or features)")
+        raise ConfigError(f"--tp {tp}: the model has {why}; `pipec inspect MODEL --tp {tp}` "
+                          "shows which linears shard and why the others stay whole; use --tp 1")
+
+
+def _per_rank_request(request: PlanRequest) -> PlanRequest:
+    """A measured calibration's per-node times are the whole model's: a tp rank runs a share
+    of some nodes, so its plan takes the fitted constants (on its FLOPs) instead."""
+    calibration = request.calibration
+    if calibration is None or not calibration.nodes:
+        return request
+    return replace(request, calibration=replace(calibration, nodes=(), loss=None, kept_norm=(),
+                                                split_backward=None))
+
+
 def _request(options: CompileOptions) -> PlanRequest:
     """The plan request the options make, checked before anything reads the model."""
     if options.onnx:
         require_onnx()
+    tp_option(options.tp)
     if options.measure not in MEASURE_CHOICES:
         raise ConfigError(f"--measure {options.measure!r} (or PIPEC_MEASURE): use auto or off")
     request = PlanRequest(

@@ -112,6 +112,11 @@ def run_forked_text(out: Path, world_size: int, *args: str, logs: Path | None = 
     return "".join(p.read_text() for p in sorted(logs.glob("rank*.log")))
 
 
+def steps_of(text: str) -> dict[int, float]:
+    """Each printed step's loss, by step (a resumed run starts after 1)."""
+    return {int(k): float(v) for k, v in STEP_LINE.findall(text)}
+
+
 def losses_of(text: str) -> list[float]:
     """The loss of each step, from the script's ``step {k} loss {v}`` lines."""
     steps = [(int(k), float(v)) for k, v in STEP_LINE.findall(text)]

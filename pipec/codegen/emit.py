@@ -83,6 +83,9 @@ def render(spec: ModelSpec, traced: Traced, plan: Plan, norms: NormPlan,
         "data.py": _render("data.py.j2", context),
         "evaluation.py": _render("evaluation.py.j2", context),
         "torch_compat.py": _render("torch_compat.py.j2", context),
+        **({"tensor_parallel.py": _render("tensor_parallel.py.j2",
+                                          {**context, "tp_shards": staged.tp_shards})}
+           if plan.tp > 1 else {}),
         "logs.py": _render("logs.py.j2", context),
         "launch.sh": _render("launch.sh.j2", context),
         "launch.slurm": _render("launch.slurm.j2", context),
@@ -93,7 +96,7 @@ def render(spec: ModelSpec, traced: Traced, plan: Plan, norms: NormPlan,
 
 
 def run_commands(plan: Plan) -> tuple[str, ...]:
-    gpus, nodes = plan.request.gpus, plan.request.nodes
+    gpus, nodes = plan.processes, plan.request.nodes
     if nodes == 1:
         return (f"torchrun --standalone --nproc_per_node {gpus} train.py --steps 100",)
     return (f"# on each of the {nodes} nodes (HOST:PORT = the first node's address, a free port):",
@@ -106,17 +109,21 @@ def _context(spec: ModelSpec, traced: Traced, plan: Plan, norms: NormPlan,
     request = plan.request
     return {
         "version": __version__, "model_file": spec.path.name, "pp": plan.pp, "dp": plan.dp,
-        "job_name": spec.path.stem, "gpus_per_node": request.gpus // request.nodes,
-        "flops_per_sample": sum(s.fwd_flops + s.bwd_flops for s in plan.stages)
+        "job_name": spec.path.stem, "gpus_per_node": plan.processes // request.nodes,
+        # A stage's FLOPs are one tp rank's: tp of them make the model's (the few nodes every
+        # rank runs whole, norms and residual adds, counted tp times).
+        "flops_per_sample": plan.tp * sum(s.fwd_flops + s.bwd_flops for s in plan.stages)
         / plan.micro_batch,
-        "peak_flops": sum(d.bf16_flops if request.training.precision == "bf16" else d.fp32_flops
-                          for d in request.devices),
+        # The request's devices are the tp groups: each holds tp of them.
+        "peak_flops": plan.tp * sum(
+            d.bf16_flops if request.training.precision == "bf16" else d.fp32_flops
+            for d in request.devices),
         "gpu": any(d.device_type == "cuda" for d in request.devices),
         "num_stages": len(plan.stages), "virtual_stages": plan.virtual_stages,
         "stage_devices": [s.device for s in plan.stages],
         "split_backward": plan.schedule in ZERO_BUBBLE,
         "replicas_inner": plan.replicas_inner, "fsdp": plan.fsdp,
-        "gpus": request.gpus, "nodes": request.nodes, "hardware": request.hardware,
+        "gpus": plan.processes, "tp": plan.tp, "nodes": request.nodes, "hardware": request.hardware,
         "global_batch": request.global_batch, "micro_batch": plan.micro_batch,
         "num_micro_batches": plan.num_micro_batches, "schedule": plan.schedule,
         "schedule_name": SCHEDULE_NAMES[plan.schedule],

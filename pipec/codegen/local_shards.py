@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 import operator
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -26,7 +26,8 @@ from torch import fx
 
 from pipec.frontend.shardable import Region, ShapeRewrite
 
-__all__ = ["Collectives", "local_weights", "parallel_graph"]
+__all__ = ["EMITTED_COLLECTIVES", "Collectives", "TensorShard", "local_weights",
+           "parallel_graph", "stage_regions", "tensor_shards"]
 
 
 def _local_graph(gm: fx.GraphModule, regions: Sequence[Region], tp: int) -> fx.GraphModule:
@@ -129,25 +130,68 @@ def _divided(graph: fx.Graph, before: fx.Node, size: Any, tp: int) -> Any:
     return size if size == -1 else int(size) // tp
 
 
+@dataclass(frozen=True)
+class TensorShard:
+    """A tensor each tp rank holds a part of: along ``dim`` (0, a column-parallel linear's
+    weight and bias; 1, a row-parallel one's weight), the rank's part of each piece."""
+
+    name: str  # the state-dict key
+    dim: int
+    pieces: tuple[int, ...]  # sizes along ``dim``, summing to the whole
+
+
+def tensor_shards(shapes: Mapping[str, Sequence[int]], regions: Sequence[Region]
+                  ) -> tuple[TensorShard, ...]:
+    """The tensors of ``shapes`` (state-dict key → whole shape) that ``regions`` shard."""
+    shards = []
+    for region in regions:
+        fused = dict(region.fused)
+        for path in region.columns:
+            pieces = tuple(fused.get(path, (shapes[path + ".weight"][0],)))
+            shards += [TensorShard(name, 0, pieces) for name in (path + ".weight", path + ".bias")
+                       if name in shapes]
+        shards += [TensorShard(path + ".weight", 1, (shapes[path + ".weight"][1],))
+                   for path in region.rows]
+    return tuple(shards)
+
+
 def local_weights(state: Mapping[str, torch.Tensor], regions: Sequence[Region], tp: int,
                   rank: int) -> dict[str, torch.Tensor]:
     """Rank ``rank``'s tensors of ``state`` (the whole model's state dict): the linears of
     ``regions`` sharded, everything else (row-parallel biases included) as it is."""
     local = dict(state)
-    for region in regions:
-        fused = dict(region.fused)
-        for path in region.columns:
-            pieces = fused.get(path, (state[path + ".weight"].shape[0],))
-            for name in (path + ".weight", path + ".bias"):
-                if name in state:
-                    local[name] = _rows(state[name], pieces, tp, rank)
-        for path in region.rows:
-            weight = state[path + ".weight"]
-            local[path + ".weight"] = weight.chunk(tp, dim=1)[rank].contiguous()
+    for shard in tensor_shards({k: v.shape for k, v in state.items()}, regions):
+        pieces = state[shard.name].split(list(shard.pieces), dim=shard.dim)
+        local[shard.name] = torch.cat([p.chunk(tp, dim=shard.dim)[rank] for p in pieces],
+                                      dim=shard.dim).contiguous()
     return local
 
 
-def _rows(tensor: torch.Tensor, pieces: Sequence[int], tp: int, rank: int) -> torch.Tensor:
-    """The rank's part of each piece along dim 0, concatenated."""
-    return torch.cat([piece.chunk(tp, dim=0)[rank]
-                      for piece in tensor.split(list(pieces), dim=0)]).contiguous()
+def stage_regions(regions: Sequence[Region], names: Mapping[str, str]) -> tuple[Region, ...]:
+    """The regions whose nodes a stage holds, their node names as the stage's graph has them
+    (``names``: the model graph's name → the stage's). A region is never cut by a stage
+    boundary (the planner forbids such cuts)."""
+    inside = [r for r in regions if r.nodes[0] in names]
+    for region in inside:
+        missing = [n for n in region.nodes if n not in names]
+        assert not missing, f"a stage boundary cuts a tensor-parallel region at {missing[0]}"
+    return tuple(replace(
+        r, nodes=tuple(names[n] for n in r.nodes),
+        rewrites=tuple(replace(w, node=names[w.node]) for w in r.rewrites),
+        gathered=tuple(names[n] for n in r.gathered),
+        column_nodes=tuple(names[n] for n in r.column_nodes),
+        row_nodes=tuple(names[n] for n in r.row_nodes)) for r in inside)
+
+
+def _stand_in(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A collective the emitted tensor_parallel.py defines, under the name the emitted stages
+    import from there."""
+    def collective(value: torch.Tensor) -> torch.Tensor:
+        raise AssertionError(f"{name} runs only in the emitted tensor_parallel.py")
+    collective.__name__ = collective.__qualname__ = name
+    collective.__module__ = "tensor_parallel"
+    return collective
+
+
+# The collectives the emitted stages call (pipec.codegen.split): tensor_parallel.py's.
+EMITTED_COLLECTIVES = Collectives(_stand_in("enter"), _stand_in("reduce"), _stand_in("gather"))

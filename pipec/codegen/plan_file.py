@@ -25,7 +25,7 @@ def plan_dict(plan: Plan, norms: NormPlan, traced: Traced) -> dict[str, Any]:
     """plan.json: stable keys, a contract with users and tests (add freely, rename never)."""
     request = plan.request
     return {
-        "gpus": request.gpus, "nodes": request.nodes, "pp": plan.pp, "dp": plan.dp,
+        "gpus": plan.processes, "nodes": request.nodes, "pp": plan.pp, "dp": plan.dp,
         "global_batch": request.global_batch, "micro_batch": plan.micro_batch,
         "num_micro_batches": plan.num_micro_batches, "schedule": plan.schedule,
         "hardware": request.hardware, "optimizer": request.training.optimizer,
@@ -75,7 +75,9 @@ def plan_dict(plan: Plan, norms: NormPlan, traced: Traced) -> dict[str, Any]:
         },
         "virtual_stages": plan.virtual_stages,
         # The device mesh, outer dimension first: ranks r = outer index · inner size + inner.
-        "mesh": ["pp", "dp"] if plan.replicas_inner else ["dp", "pp"],
+        "mesh": (["pp", "dp"] if plan.replicas_inner else ["dp", "pp"])
+        + (["tp"] if plan.tp > 1 else []),
+        "tp": plan.tp,  # tensor-parallel ranks per stage replica (tp innermost in the mesh)
         "recompute": request.recompute,  # asked for; each stage's choice is under "stages"
         "fsdp": plan.fsdp,  # "off" (DDP), "zero2" or "zero3" (FSDP2 over each stage's replicas)
         "decision": _decision(plan),

@@ -23,10 +23,18 @@ import torch
 from torch import fx
 from torch.fx.graph import PythonCode
 
+from pipec.codegen.local_shards import (
+    EMITTED_COLLECTIVES,
+    TensorShard,
+    parallel_graph,
+    stage_regions,
+    tensor_shards,
+)
 from pipec.errors import TraceError
 from pipec.frontend.annotate import COMPUTE_OPS, CostGraph
 from pipec.frontend.inplace import overwritten_inputs, storage_roots, written
 from pipec.frontend.liveness import rederivable_sizes, shape_symbols
+from pipec.frontend.shardable import Region
 from pipec.frontend.trace import Traced
 from pipec.planning.planner import Plan
 
@@ -59,9 +67,14 @@ class Staged:
     # Parameters held by more than one stage (shared modules, tied weights): for each, the
     # (stage index, name in that stage) of every copy. Training sums their gradients.
     tied: tuple[tuple[tuple[int, str], ...], ...] = ()
+    # The tensors tp ranks hold a part of (none without tensor parallelism).
+    tp_shards: tuple[TensorShard, ...] = ()
 
 
-def split(traced: Traced, graph: CostGraph, plan: Plan, user_module: str) -> Staged:
+def split(traced: Traced, graph: CostGraph, plan: Plan, user_module: str,
+          regions: Sequence[Region] = ()) -> Staged:
+    """The plan's stages; under tensor parallelism (``regions``, sharded over ``plan.tp``
+    ranks) each stage as a tp rank runs it (pipec.codegen.local_shards)."""
     gm = traced.graph_module
     compute = [n for n in gm.graph.nodes if n.op in COMPUTE_OPS]
     live = graph.live  # annotate's liveness: the values each boundary sends
@@ -89,15 +102,21 @@ def split(traced: Traced, graph: CostGraph, plan: Plan, user_module: str) -> Sta
             copied = overwritten_inputs(gm, nodes, inputs) & {
                 name for name, spec in zip(inputs, input_specs, strict=True)
                 if spec.requires_grad or _is_float(spec.dtype)}
-        stage_graph, paths = _stage_graph(gm, nodes, inputs, outputs, copied,
-                                          rederivable_sizes(compute))
+        stage_graph, paths, names = _stage_graph(gm, nodes, inputs, outputs, copied,
+                                                 rederivable_sizes(compute))
+        if regions:
+            stage_graph = parallel_graph(fx.GraphModule(gm, stage_graph),
+                                         stage_regions(regions, names), plan.tp,
+                                         EMITTED_COLLECTIVES).graph
         source, lines = _stage_source(stage_graph.python_code(root_module="self"), user_module)
         imports.update(dict.fromkeys(lines))
         codes.append(StageCode(
             stage.index, f"Stage{stage.index}", tuple(inputs), outputs, paths, source,
             input_specs=input_specs,
             output_specs=specs.of(outputs or _model_outputs(gm), stage.end, sent=not last)))
-    return Staged(tuple(codes), tuple(sorted(imports)), tied_parameters(gm, codes))
+    shapes = {k: v.shape for k, v in gm.state_dict().items()}
+    return Staged(tuple(codes), tuple(sorted(imports)), tied_parameters(gm, codes),
+                  tensor_shards(shapes, regions))
 
 
 def _is_float(dtype: str) -> bool:
@@ -177,10 +196,11 @@ def _model_outputs(gm: fx.GraphModule) -> tuple[str, ...]:
 
 def _stage_graph(gm: fx.GraphModule, nodes: list[fx.Node], inputs: list[str],
                  outputs: tuple[str, ...], copied: set[str], sizes: dict[str, str]
-                 ) -> tuple[fx.Graph, tuple[str, ...]]:
-    """The stage's graph; each input in ``copied`` is cloned first, and the stage uses (and
-    forwards) the clone; a size made by an earlier stage (``sizes``: export's dynamic batch)
-    is read again from an input with that symbol in its shape."""
+                 ) -> tuple[fx.Graph, tuple[str, ...], dict[str, str]]:
+    """The stage's graph, the paths it keeps, and its nodes' names by the model graph's; each
+    input in ``copied`` is cloned first, and the stage uses (and forwards) the clone; a size
+    made by an earlier stage (``sizes``: export's dynamic batch) is read again from an input
+    with that symbol in its shape."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     by_name = {n.name: n for n in gm.graph.nodes}
@@ -205,7 +225,7 @@ def _stage_graph(gm: fx.GraphModule, nodes: list[fx.Node], inputs: list[str],
     else:
         output = next(n for n in gm.graph.nodes if n.op == "output")
         graph.output(fx.map_arg(output.args[0], env.__getitem__))
-    return graph, _outermost(paths)
+    return graph, _outermost(paths), {n.name: env[n].name for n in nodes}
 
 
 def _read_size(graph: fx.Graph, placeholders: dict[str, fx.Node], by_name: dict[str, fx.Node],
@@ -234,19 +254,25 @@ def _stage_source(code: PythonCode, user_module: str) -> tuple[str, list[str]]:
         if name == "torch" or not re.search(rf"(?<![\w.]){re.escape(name)}\b(?!\s*=(?!=))",
                                             source):
             continue
-        if _defined_in(value, user_module):
-            # The model file's functions, as `user_model.f`: a plain `f` could clash with fx's
-            # local variable of the same name.
-            source = re.sub(rf"\b{re.escape(name)}\b", f"user_model.{value.__name__}", source)
-            imports.append("import model as user_model")
+        if module := _emitted_module(value, user_module):
+            # The model file's functions as `user_model.f`, tensor_parallel.py's collectives as
+            # `tensor_parallel.f`: a plain `f` could clash with fx's local variable of that name.
+            alias = module.split()[-1]
+            source = re.sub(rf"\b{re.escape(name)}\b", f"{alias}.{value.__name__}", source)
+            imports.append(f"import {module}")
         elif line := _import_line(name, value):
             imports.append(line)
     return _tidy(source), imports
 
 
-def _defined_in(value: Any, module_name: str) -> bool:
+def _emitted_module(value: Any, user_module: str) -> str | None:
+    """The output directory's module that defines ``value``, as stages.py imports it: the
+    model file (model.py) or the tp collectives (tensor_parallel.py); None: neither."""
+    if getattr(value, "__module__", None) == "tensor_parallel":
+        return "tensor_parallel"
     module = inspect.getmodule(value)
-    return module is not None and module.__name__ == module_name
+    return "model as user_model" if module is not None and module.__name__ == user_module \
+        else None
 
 
 def _outermost(paths: list[str]) -> tuple[str, ...]:

@@ -148,7 +148,7 @@ def op_name(gm: fx.GraphModule, node: fx.Node) -> str:
 def find_shardable(gm: fx.GraphModule, shapes: Mapping[str, tuple[int, ...]]) -> Shardable:
     """The tensor-parallel regions of ``gm``, given each tensor node's output shape (any batch
     size: only the feature and head dimensions matter)."""
-    kept: dict[str, str] = {}  # column linear node -> why it stays whole
+    kept = _tied_linears(gm)  # column linear node -> why it stays whole
     while True:
         propagation = _Propagation(gm, shapes, frozenset(kept))
         propagation.run()
@@ -246,6 +246,10 @@ class _Propagation:
             self.conflicts.setdefault(self._root(_first_region(state)),
                                       f"{node.name} (linear) reads the value split along "
                                       "another dimension than its input features")
+            return
+        if node.name in self.kept:
+            self.conflicts.setdefault(self._root(_first_region(state)),
+                                      f"{node.name} (linear) has a tied weight")
             return
         parts = self._parts(x)
         parts.rows.append(node.name)
@@ -610,6 +614,28 @@ def _normalized(dim: Any, rank: int) -> int:
     if not isinstance(dim, int):
         raise _Conflict("takes its dimension from a computed value")
     return dim % rank
+
+
+def _tied_linears(gm: fx.GraphModule) -> dict[str, str]:
+    """The linears whose weight another module shares (an LM head tied to the embedding),
+    which stay whole: a rank's part would untie them."""
+    names: dict[int, list[str]] = {}
+    for name, parameter in gm.named_parameters(remove_duplicate=False):
+        names.setdefault(id(parameter), []).append(name)
+    tied = {}
+    for node in gm.graph.nodes:
+        if op_name(gm, node) != "linear":
+            continue
+        try:
+            weight = (gm.get_submodule(str(node.target)).weight if node.op == "call_module"
+                      else _attribute(gm, node.args[1]))
+        except (_Conflict, AttributeError):
+            continue
+        sharing = names.get(id(weight), [])
+        if len(sharing) > 1:
+            tied[node.name] = (f"has a tied weight ({' = '.join(sharing)}): a rank's part "
+                               "would untie them")
+    return tied
 
 
 def _attribute(gm: fx.GraphModule, node: Any) -> Any:

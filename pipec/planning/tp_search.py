@@ -7,7 +7,8 @@ and the replicas see ``gpus / tp`` devices: each is planned as today on the rank
 the fastest degree wins. tp divides the devices of a node (its collectives run on the
 intra-node link) and every sharded region's heads and features.
 
-The emitted script does not yet apply tp: this search predicts what it would give.
+The emitted script applies tp without sequence parallelism (``pipec compile --tp``); with it,
+this search predicts what it would give.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pipec.frontend.shardable import Shardable
 from pipec.planning.planner import plan
 from pipec.planning.values import Plan, PlanRequest
 
-__all__ = ["TpPlan", "plan_with_tp", "tp_degrees"]
+__all__ = ["TpPlan", "plan_at", "plan_with_tp", "tp_degrees", "tp_groups"]
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,8 @@ def tp_degrees(shardable: Shardable, request: PlanRequest, limit: int | None = N
 
 
 def plan_with_tp(graph: CostGraph, shardable: Shardable, request: PlanRequest,
-                 degrees: tuple[int, ...]) -> TpPlan:
+                 degrees: tuple[int, ...], sequence_parallel: bool = True,
+                 vocabulary_parallel: bool = True) -> TpPlan:
     """The fastest plan over ``degrees``; an InfeasibleError, the last degree's, when none
     fits."""
     tried: list[tuple[int, float | None]] = []
@@ -54,7 +56,8 @@ def plan_with_tp(graph: CostGraph, shardable: Shardable, request: PlanRequest,
     error: InfeasibleError | None = None
     for tp in degrees:
         try:
-            found = plan_at(graph, shardable, request, tp)
+            found = plan_at(graph, shardable, request, tp, sequence_parallel,
+                            vocabulary_parallel)
         except InfeasibleError as exc:
             tried.append((tp, None))
             error = exc
@@ -68,11 +71,15 @@ def plan_with_tp(graph: CostGraph, shardable: Shardable, request: PlanRequest,
 
 
 def plan_at(graph: CostGraph, shardable: Shardable, request: PlanRequest, tp: int,
-            sequence_parallel: bool = True) -> Plan:
+            sequence_parallel: bool = True, vocabulary_parallel: bool = True) -> Plan:
     """One tp rank's plan over ``request.gpus / tp`` devices, one per tp group; sequence
     parallelism between the regions by default (Megatron-LM's with tp: the same bytes
     communicated, 1/tp of the activations between regions)."""
-    costs = shard_costs(graph, shardable.regions_at(tp), tp, shardable.embeddings_at(tp),
-                        sequence_parallel)
-    groups = replace(request, gpus=request.gpus // tp, devices=request.devices[::tp])
-    return plan(costs.graph, groups)
+    embeddings = shardable.embeddings_at(tp) if vocabulary_parallel else ()
+    costs = shard_costs(graph, shardable.regions_at(tp), tp, embeddings, sequence_parallel)
+    return plan(costs.graph, tp_groups(request, tp))
+
+
+def tp_groups(request: PlanRequest, tp: int) -> PlanRequest:
+    """The request the pipeline and the replicas see: one device per tp group."""
+    return replace(request, gpus=request.gpus // tp, devices=request.devices[::tp])

@@ -144,3 +144,11 @@ class Plan:
     # Ranks: a position's replicas on neighbouring ranks (True) or a replica's positions.
     replicas_inner: bool = False
     fsdp: str = "off"  # "zero2"/"zero3": FSDP over each stage's replicas in place of DDP
+    # Tensor-parallel ranks per stage replica: the request's devices are then the tp groups
+    # (one rank's costs on each), and the job runs on gpus · tp processes.
+    tp: int = 1
+
+    @property
+    def processes(self) -> int:
+        """The job's processes: one per device of every tp group."""
+        return self.request.gpus * self.tp

@@ -71,7 +71,10 @@ def test_grouped_query_attention_shards_keys_and_values_by_their_own_heads() -> 
 
 def test_a_hugging_face_llama_through_export_shards_like_a_hand_written_one() -> None:
     llama = shardable_model(MODELS / "tiny_llama.py").shardable
-    assert kinds(llama) == ["attention", "gated MLP"] * 2 + ["head"]
+    # Its LM head is tied to the token embedding: a rank's part would untie them.
+    assert kinds(llama) == ["attention", "gated MLP"] * 2
+    assert [w.path for w in llama.whole] == ["lm.lm_head"]
+    assert "tied weight" in llama.whole[0].reason
     attention = llama.regions[0]
     prefix = "lm.model.layers.0.self_attn."
     assert attention.columns == tuple(prefix + p for p in ("q_proj", "k_proj", "v_proj"))
@@ -79,6 +82,13 @@ def test_a_hugging_face_llama_through_export_shards_like_a_hand_written_one() ->
     # repeat_kv's expand and reshape of the 2 key/value heads are rewritten too
     assert len(attention.rewrites) == 9
     assert llama.degrees(8) == (1, 2)
+
+
+def test_a_tied_head_stays_whole_and_an_untied_one_shards() -> None:
+    tied = shardable_model(MODELS / "tied_gpt.py").shardable
+    assert "head" not in kinds(tied)
+    assert [w.path for w in tied.whole] == ["head"]
+    assert "head" in kinds(shardable_model(MODELS / "gqa_lm.py").shardable)
 
 
 class ResidualLinear(nn.Module):

@@ -19,19 +19,15 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from conftest import (
     MODELS,
     SAMPLES,
-    STEP_LINE,
     compile_to,
     emitted_modules,
     emitted_train,
     measured_peaks,
     run_forked,
     run_forked_text,
+    steps_of,
 )
 from pipec.torchcompat import release
-
-
-def steps_of(text: str) -> dict[int, float]:
-    return {int(k): float(v) for k, v in STEP_LINE.findall(text)}
 
 
 def column(text: str, name: str) -> list[float]:

@@ -20,12 +20,12 @@ import torch
 from conftest import (
     MODELS,
     SAMPLES,
-    STEP_LINE,
     compile_to,
     emitted_modules,
     losses_of,
     run_forked,
     run_forked_text,
+    steps_of,
 )
 
 
@@ -33,10 +33,6 @@ def run_alone(out: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """A one-process plan's train.py, as `python train.py` runs it."""
     return subprocess.run([sys.executable, "train.py", *args], cwd=out, capture_output=True,
                           text=True, check=False, env={"OMP_NUM_THREADS": "1", "PATH": ""})
-
-
-def steps_of(text: str) -> dict[int, float]:
-    return {int(k): float(v) for k, v in STEP_LINE.findall(text)}
 
 
 def weights_module(out: Path) -> ModuleType:

@@ -1,0 +1,155 @@
+"""Tensor parallelism in the emitted script (pipec compile --tp): every tp plan trains to one
+process's losses, on forked gloo ranks; checkpoints and --save-model hold whole tensors, so a
+run resumes across tp degrees; the user's mistakes are clear errors."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+from safetensors.torch import load_file
+
+from conftest import (
+    MODELS,
+    SAMPLES,
+    compile_to,
+    losses_of,
+    run_forked_text,
+    steps_of,
+)
+from pipec.driver import CompileOptions, compile_model
+from pipec.errors import ConfigError
+
+STEPS = "4"
+# Clipped below the sample GPT's gradient norm (about 0.3): the norm over tp ranks matters.
+TRAINING = ("--steps", STEPS, "--seed", "3", "--clip-norm", "0.1")
+
+
+def assert_same_losses(actual: list[float], expected: list[float]) -> None:
+    assert len(actual) == len(expected) == int(STEPS)
+    for a, e in zip(actual, expected, strict=True):
+        assert abs(a - e) <= 1e-5 * abs(e), (actual, expected)
+
+
+def train(model: Path, out: Path, processes: int, *args: str, **options: Any) -> list[float]:
+    return losses_of(train_text(model, out, processes, *args, **options))
+
+
+def train_text(model: Path, out: Path, processes: int, *args: str, **options: Any) -> str:
+    """What ``model``'s training printed, compiled to ``out`` with ``options``."""
+    options.setdefault("gpus", processes)
+    compile_to(model, out, batch_size=16, optimizer="adamw", **options)
+    return run_forked_text(out, processes, *TRAINING, *args)
+
+
+def gradient_norms(text: str) -> list[float]:
+    return [float(norm) for norm in re.findall(r"grad_norm (\S+)", text)]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return train_text(SAMPLES / "gpt.py", tmp_path_factory.mktemp("tp") / "one", 1)
+
+
+@pytest.mark.parametrize(("gpus", "pp", "fsdp"), [(2, 1, "off"), (4, 2, "off"), (4, 1, "off"),
+                                                  (4, 1, "zero2")],
+                         ids=["tp2", "tp2xpp2", "tp2xdp2", "tp2xfsdp2"])
+def test_the_sample_gpt_trains_like_one_process(gpus: int, pp: int, fsdp: str,
+                                                one_process: str, tmp_path: Path) -> None:
+    assert len(set(losses_of(one_process))) > 1  # really training
+    text = train_text(SAMPLES / "gpt.py", tmp_path / "tp", gpus, tp="2", pp=pp, fsdp=fsdp,
+                      schedule="1f1b" if pp > 1 else "auto")
+    assert_same_losses(losses_of(text), losses_of(one_process))
+    # The norm clipped is the whole model's: each tp rank's parts summed over the group.
+    assert gradient_norms(text) == pytest.approx(gradient_norms(one_process), rel=1e-4)
+    plan = json.loads((tmp_path / "tp" / "plan.json").read_text())
+    assert (plan["tp"], plan["gpus"], plan["pp"], plan["dp"]) == (2, gpus, pp, gpus // 2 // pp)
+    assert plan["mesh"][-1] == "tp"
+
+
+@pytest.mark.parametrize(("model", "gpus", "pp"), [("gqa_lm", 2, 1), ("tiny_llama", 4, 2),
+                                                   ("tied_gpt", 4, 2)],
+                         ids=["llama-shaped", "hugging-face-llama-tp2xpp2",
+                              "tied-head-tp2xpp2"])
+def test_llama_shaped_models_train_like_one_process(model: str, gpus: int, pp: int,
+                                                    tmp_path: Path) -> None:
+    # Grouped-query attention, rotary embeddings and SwiGLU; Hugging Face's Llama through
+    # torch.export; a head tied to the embedding, which stays whole on each rank.
+    reference = train(MODELS / f"{model}.py", tmp_path / "one", 1)
+    losses = train(MODELS / f"{model}.py", tmp_path / "tp", gpus, tp="2", pp=pp)
+    assert_same_losses(losses, reference)
+    assert (tmp_path / "tp" / "tensor_parallel.py").read_text().count('": (') >= 4
+
+
+def test_a_run_resumes_across_tp_degrees_and_saves_whole_tensors(tmp_path: Path) -> None:
+    """Steps 1–3 on tp 2 × FSDP 2, steps 4–6 on one process, steps 7–8 on tp 2 × pp 2: the
+    losses of one uninterrupted process, AdamW state included; the model saved by tp 2 × FSDP
+    2 equals the one process's."""
+    gpt = SAMPLES / "gpt.py"
+    whole = train(gpt, tmp_path / "one", 1, "--steps", "8", "--save-model",
+                  str(tmp_path / "one.st"))
+    for name, gpus, pp, fsdp in (("fsdp", 4, 1, "zero2"), ("pp", 4, 2, "off")):
+        compile_to(gpt, tmp_path / name, gpus=gpus, pp=pp, tp="2", fsdp=fsdp, batch_size=16,
+                   optimizer="adamw")
+    parts: dict[int, float] = {}
+    for name, processes, steps, extra in (
+            ("fsdp", 4, "3", ("--save-model", str(tmp_path / "fsdp.st"))),
+            ("one", 1, "6", ("--resume",)), ("pp", 4, "8", ("--resume",))):
+        text = run_forked_text(tmp_path / name, processes, *TRAINING, "--steps", steps,
+                               "--checkpoint-dir", str(tmp_path / "ck"), *extra,
+                               logs=tmp_path / f"log-{name}")
+        parts.update(steps_of(text))
+    assert sorted(parts) == list(range(1, 9))
+    for step, loss in parts.items():
+        assert loss == pytest.approx(whole[step - 1], rel=1e-5), (parts, whole)
+    # The model after step 3 (tp 2 × FSDP 2) against the one process's after step 8: the same
+    # keys and shapes, whole tensors.
+    saved, expected = load_file(tmp_path / "fsdp.st"), load_file(tmp_path / "one.st")
+    assert {k: t.shape for k, t in saved.items()} == {k: t.shape for k, t in expected.items()}
+
+
+def test_the_saved_model_of_a_tp_plan_equals_one_process(tmp_path: Path) -> None:
+    gpt = SAMPLES / "gpt.py"
+    train(gpt, tmp_path / "one", 1, "--save-model", str(tmp_path / "one.st"))
+    train(gpt, tmp_path / "tp", 4, "--save-model", str(tmp_path / "tp.st"), tp="2", pp=2,
+          schedule="1f1b")
+    saved, expected = load_file(tmp_path / "tp.st"), load_file(tmp_path / "one.st")
+    assert saved.keys() == expected.keys()
+    for key, tensor in expected.items():
+        assert (saved[key] - tensor).abs().max() <= 1e-5, key
+
+
+def test_compiling_a_tp_plan_twice_gives_identical_files(tmp_path: Path) -> None:
+    for name in ("a", "b"):
+        compile_to(SAMPLES / "gpt.py", tmp_path / name, gpus=4, pp=2, tp="2")
+    for path in sorted((tmp_path / "a").iterdir()):
+        assert path.read_bytes() == (tmp_path / "b" / path.name).read_bytes(), path.name
+
+
+@pytest.mark.parametrize(("model", "options", "message"), [
+    ("gpt", {"gpus": 4, "tp": "3"}, "does not divide the 4 device"),
+    ("gpt", {"gpus": 2, "tp": "two"}, "use a positive integer"),
+    ("gpt", {"gpus": 2, "tp": "0"}, "use a positive integer"),
+    ("gpt", {"gpus": 7, "tp": "7"}, "no region divides by 7"),
+    ("gpt", {"gpus": 4, "tp": "2", "batch_size": 5}, "not divisible by the 2 data-parallel"),
+], ids=["not-a-divisor", "not-a-number", "zero", "divides-no-region", "batch"])
+def test_a_tp_the_model_or_the_devices_do_not_allow_is_a_clear_error(
+        model: str, options: dict[str, Any], message: str, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=message):
+        compile_model(CompileOptions(model=SAMPLES / f"{model}.py", out=tmp_path / "out",
+                                     hardware="cpu", measure="off", pp=1, **options))
+
+
+def test_the_batch_divides_by_the_replicas_of_tp_groups_not_by_the_devices(
+        tmp_path: Path) -> None:
+    plan = compile_to(SAMPLES / "gpt.py", tmp_path / "out", gpus=4, pp=1, tp="2", batch_size=6)
+    assert (plan.tp, plan.dp, plan.processes) == (2, 2, 4)
+
+
+def test_a_model_without_linear_regions_cannot_take_tp(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no Linear → Linear region"):
+        compile_model(CompileOptions(model=MODELS / "inplace_cnn.py", out=tmp_path / "out",
+                                     gpus=2, pp=1, tp="2", hardware="cpu", measure="off"))
