@@ -145,8 +145,8 @@ def _plan_tp(analyzed: Analyzed, tp: str) -> tuple[Plan, tuple[Region, ...]]:
         found = plan_with_tp(graph, shardable, request, tp_degrees(shardable, request),
                              sequence_parallel=False, vocabulary_parallel=False)
         if found.tp == 1:
-            return plan(graph, analyzed.request), ()
-        degree, chosen = found.tp, found.plan
+            return replace(plan(graph, analyzed.request), tp_tried=found.tried), ()
+        degree, chosen = found.tp, replace(found.plan, tp_tried=found.tried)
     else:
         _check_regions(shardable, degree)
         chosen = plan_at(graph, shardable, request, degree, sequence_parallel=False,

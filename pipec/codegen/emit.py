@@ -89,7 +89,9 @@ def render(spec: ModelSpec, traced: Traced, plan: Plan, norms: NormPlan,
         "logs.py": _render("logs.py.j2", context),
         "launch.sh": _render("launch.sh.j2", context),
         "launch.slurm": _render("launch.slurm.j2", context),
-        "report.md": _render("report.md.j2", {**context, **_report_context(plan, norms)}),
+        "report.md": _render("report.md.j2", {**context, **_report_context(plan, norms),
+                                              "tp_tensors": len(staged.tp_shards),
+                                              "tp_tried": _tp_tried(plan)}),
         "plan.json": (json.dumps(plan_json, indent=2, sort_keys=True) + "\n").encode(),
         "timeline.svg": timeline_svg(plan.simulation, plan.pp, _timeline_title(plan)).encode(),
     }
@@ -203,6 +205,12 @@ def _stage_context(plan: Plan, norms: NormPlan, staged: Staged) -> dict[str, Any
     return {"stages": stages, "imports": staged.imports, "norm_rewrites": swapped,
             "tied": staged.tied, "group_norm": any(r.to == "GroupNorm" for r in swapped),
             "sync_batch_norm": norms.synchronized, "to_group_norm": to_group_norm_source()}
+
+
+def _tp_tried(plan: Plan) -> str:
+    """--tp auto's degrees and their predicted throughput, for the report."""
+    return "; ".join(f"tp {tp}: " + (f"{rate:,.1f} samples/s" if rate else "nothing fits")
+                     for tp, rate in plan.tp_tried)
 
 
 def _report_context(plan: Plan, norms: NormPlan) -> dict[str, Any]:

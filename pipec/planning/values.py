@@ -147,6 +147,8 @@ class Plan:
     # Tensor-parallel ranks per stage replica: the request's devices are then the tp groups
     # (one rank's costs on each), and the job runs on gpus · tp processes.
     tp: int = 1
+    # Under --tp auto: each degree tried and its predicted samples/s (None: nothing fits).
+    tp_tried: tuple[tuple[int, float | None], ...] = ()
 
     @property
     def processes(self) -> int:

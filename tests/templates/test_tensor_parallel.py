@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,7 @@ from conftest import (
     SAMPLES,
     compile_to,
     losses_of,
+    run_forked,
     run_forked_text,
     steps_of,
 )
@@ -90,13 +93,13 @@ def test_a_run_resumes_across_tp_degrees_and_saves_whole_tensors(tmp_path: Path)
     2 equals the one process's."""
     gpt = SAMPLES / "gpt.py"
     whole = train(gpt, tmp_path / "one", 1, "--steps", "8", "--save-model",
-                  str(tmp_path / "one.st"))
+                  str(tmp_path / "one.safetensors"))
     for name, gpus, pp, fsdp in (("fsdp", 4, 1, "zero2"), ("pp", 4, 2, "off")):
         compile_to(gpt, tmp_path / name, gpus=gpus, pp=pp, tp="2", fsdp=fsdp, batch_size=16,
                    optimizer="adamw")
     parts: dict[int, float] = {}
     for name, processes, steps, extra in (
-            ("fsdp", 4, "3", ("--save-model", str(tmp_path / "fsdp.st"))),
+            ("fsdp", 4, "3", ("--save-model", str(tmp_path / "fsdp.safetensors"))),
             ("one", 1, "6", ("--resume",)), ("pp", 4, "8", ("--resume",))):
         text = run_forked_text(tmp_path / name, processes, *TRAINING, "--steps", steps,
                                "--checkpoint-dir", str(tmp_path / "ck"), *extra,
@@ -107,19 +110,27 @@ def test_a_run_resumes_across_tp_degrees_and_saves_whole_tensors(tmp_path: Path)
         assert loss == pytest.approx(whole[step - 1], rel=1e-5), (parts, whole)
     # The model after step 3 (tp 2 × FSDP 2) against the one process's after step 8: the same
     # keys and shapes, whole tensors.
-    saved, expected = load_file(tmp_path / "fsdp.st"), load_file(tmp_path / "one.st")
+    saved = load_file(tmp_path / "fsdp.safetensors")
+    expected = load_file(tmp_path / "one.safetensors")
     assert {k: t.shape for k, t in saved.items()} == {k: t.shape for k, t in expected.items()}
 
 
-def test_the_saved_model_of_a_tp_plan_equals_one_process(tmp_path: Path) -> None:
+def test_the_saved_model_of_a_tp_plan_equals_one_process_and_initializes_one(
+        tmp_path: Path) -> None:
     gpt = SAMPLES / "gpt.py"
-    train(gpt, tmp_path / "one", 1, "--save-model", str(tmp_path / "one.st"))
-    train(gpt, tmp_path / "tp", 4, "--save-model", str(tmp_path / "tp.st"), tp="2", pp=2,
-          schedule="1f1b")
-    saved, expected = load_file(tmp_path / "tp.st"), load_file(tmp_path / "one.st")
+    train(gpt, tmp_path / "one", 1, "--save-model", str(tmp_path / "one.safetensors"))
+    train(gpt, tmp_path / "tp", 4, "--save-model", str(tmp_path / "tp.safetensors"), tp="2",
+          pp=2, schedule="1f1b")
+    saved = load_file(tmp_path / "tp.safetensors")
+    expected = load_file(tmp_path / "one.safetensors")
     assert saved.keys() == expected.keys()
     for key, tensor in expected.items():
         assert (saved[key] - tensor).abs().max() <= 1e-5, key
+    # Each tp rank reads its part of each sharded tensor of the file (a lazy safetensors
+    # slice): trained on, the same losses as the one process that reads it whole.
+    init = ("--init-from", str(tmp_path / "one.safetensors"))
+    assert_same_losses(run_forked(tmp_path / "tp", 4, *TRAINING, *init),
+                       run_forked(tmp_path / "one", 1, *TRAINING, *init))
 
 
 def test_compiling_a_tp_plan_twice_gives_identical_files(tmp_path: Path) -> None:
@@ -147,6 +158,27 @@ def test_the_batch_divides_by_the_replicas_of_tp_groups_not_by_the_devices(
         tmp_path: Path) -> None:
     plan = compile_to(SAMPLES / "gpt.py", tmp_path / "out", gpus=4, pp=1, tp="2", batch_size=6)
     assert (plan.tp, plan.dp, plan.processes) == (2, 2, 4)
+
+
+def test_tp_auto_tries_each_degree_of_a_node_and_keeps_the_fastest(tmp_path: Path) -> None:
+    plan = compile_to(SAMPLES / "gpt.py", tmp_path / "out", gpus=4, pp=None, tp="auto")
+    degrees = [tp for tp, _ in plan.tp_tried]
+    assert degrees == [1, 2, 4]
+    rates = dict(plan.tp_tried)
+    assert rates[plan.tp] == max(rate for rate in rates.values() if rate is not None)
+    listed = json.loads((tmp_path / "out" / "plan.json").read_text())["tp_tried"]
+    assert [entry["tp"] for entry in listed] == degrees
+    assert "`--tp auto` tried tp 1:" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_pipec_compile_with_a_bad_tp_exits_2_with_one_line(tmp_path: Path) -> None:
+    result = subprocess.run([sys.executable, "-m", "pipec.cli", "compile",
+                             str(SAMPLES / "gpt.py"), "--gpus", "4", "--tp", "3",
+                             "--measure", "off", "-o", str(tmp_path / "out")],
+                            capture_output=True, text=True, check=False)
+    assert result.returncode == 2
+    assert "--tp 3 does not divide the 4 device(s) of a node" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_a_model_without_linear_regions_cannot_take_tp(tmp_path: Path) -> None:
