@@ -126,6 +126,17 @@ CASES = (
          ("--pp", "2", "--batch-size", "32", "--micro-batch", "4", "--schedule", "gpipe",
           "--recompute", "selective"),
          "selective recomputation: the products' outputs kept, the T × T scores made again"),
+    Case("gpt tp2", "samples/gpt.py", 2,
+         ("--tp", "2", "--pp", "1", "--batch-size", "64", "--micro-batch", "32"),
+         "tensor parallelism: a rank's parts of the linears, whole inputs of the regions"),
+    Case("gpt tp2×pp2 adamw", "samples/gpt.py", 4,
+         ("--tp", "2", "--pp", "2", "--batch-size", "64", "--micro-batch", "16", "--schedule",
+          "1f1b", "--optimizer", "adamw"),
+         "tensor × pipeline parallelism, AdamW state of the parts"),
+    Case("long-lm tp2 1f1b", "benchmarks/models/long_lm.py", 4,
+         ("--tp", "2", "--pp", "2", "--batch-size", "8", "--micro-batch", "1", "--schedule",
+          "1f1b"),
+         "tensor parallelism on large logits: the head's parts gathered whole"),
 )
 
 

@@ -218,7 +218,8 @@ def _request(options: CompileOptions) -> PlanRequest:
 
 
 # The options the plan request takes as they are; it derives the others (the calibration: a
-# file's path in the options, its contents in the request).
+# file's path in the options, its contents in the request; tp: "auto" or a number in the
+# options, the request's per tp group, pipec.planning.tp_search.tp_groups).
 _SHARED_WITH_REQUEST = tuple(
     f.name for f in fields(PlanRequest)
-    if f.name in {o.name for o in fields(CompileOptions)} - {"calibration"})
+    if f.name in {o.name for o in fields(CompileOptions)} - {"calibration", "tp"})

@@ -234,7 +234,8 @@ def usable_on_fullest(plan: Plan) -> float:
                     plan.replicas_inner, plan.fsdp)
     position = max(range(plan.pp), key=lambda p: plan.device_memory_bytes[p])
     ranks = [rank_of(position, r, plan.pp, plan.dp, plan.replicas_inner) for r in range(plan.dp)]
-    return min(usable_memory(plan.request.devices[r], *communicators(layout, position))
+    return min(usable_memory(plan.request.devices[r],
+                             *communicators(layout, position, plan.request.tp))
                for r in ranks)
 
 

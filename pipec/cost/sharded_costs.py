@@ -2,8 +2,9 @@
 
 Inside a region every node works on 1/tp of the features or heads, so its FLOPs, weights,
 saved activations and outputs are divided by tp, with two exceptions: a row-parallel linear's
-output is whole (the all-reduce completes it) and a column-parallel linear saves its whole
-input for its weight gradient. The collectives follow Megatron-LM (Shoeybi et al., 2019, §3):
+output is whole (the all-reduce completes it), and under bf16 a column-parallel linear keeps a
+bf16 copy of its whole input for its weight gradient (in fp32 the whole input it keeps is its
+producer's output, outside the region). The collectives follow Megatron-LM (Shoeybi et al., 2019, §3):
 per region and micro-batch, an all-reduce of each row-parallel output in forward and of the
 gradient of each value the column linears read in backward. A gathered output (the LM head's
 logits) is all-gathered in forward: a ring all-gather moves half an all-reduce's bytes, so it is
@@ -65,7 +66,7 @@ def shard_costs(graph: CostGraph, regions: Sequence[Region], tp: int,
     for n in graph.nodes:
         forward = _forward_bytes(n, n.name in rows or n.name in embeddings, n.name in gathered)
         if n.name in inside:
-            n = _shard(n, tp, rows.get(n.name), n.name in columns)
+            n = _shard(n, tp, rows.get(n.name), n.name in columns, n.name in gathered)
         elif n.name in embeddings:
             n = _weights(n, tp)
         elif sequence_parallel:
@@ -93,7 +94,9 @@ def _split(quantity: Linear, tp: int) -> Linear:
 
 def _split_work(node: NodeCost, tp: int) -> NodeCost:
     """``node`` on 1/tp of its features, heads or sequence: its FLOPs and activations."""
-    return replace(node, fwd_flops=_split(node.fwd_flops, tp),
+    bf16 = node.bf16 if node.bf16.saved_bytes is None else replace(
+        node.bf16, saved_bytes=_split(node.bf16.saved_bytes, tp))
+    return replace(node, fwd_flops=_split(node.fwd_flops, tp), bf16=bf16,
                    bwd_flops=_split(node.bwd_flops, tp),
                    output_bytes=_split(node.output_bytes, tp),
                    saved_bytes=_split(node.saved_bytes, tp),
@@ -116,13 +119,18 @@ def _total(quantities: Iterable[Linear]) -> Linear:
     return Linear(sum(q.fixed for q in items), sum(q.per_sample for q in items))
 
 
-def _shard(node: NodeCost, tp: int, row_bias: int | None, column: bool) -> NodeCost:
+def _shard(node: NodeCost, tp: int, row_bias: int | None, column: bool,
+           gathered: bool = False) -> NodeCost:
     """``row_bias``: the node is row-parallel, with a bias of this many values (0: none),
-    whole on every rank, as is its output; a column-parallel node saves its whole input."""
+    whole on every rank, as is its output, and a ``gathered`` one's (the whole logits the
+    loss reads, all-gathered from the ranks' parts). A node's saved bytes are what it allocates and
+    autograd keeps (its output, kept by its users): 1/tp of them, but under bf16 a
+    column-parallel linear also keeps the bf16 copy of its whole input, and its bytes there
+    stay whole (an upper bound: its output's share is counted whole too)."""
     split = _split_work(node, tp)
-    split = replace(split, output_bytes=node.output_bytes if row_bias is not None
-                    else split.output_bytes,
-                    saved_bytes=node.saved_bytes if column else split.saved_bytes)
+    whole_output = row_bias is not None or gathered
+    split = replace(split, output_bytes=node.output_bytes if whole_output
+                    else split.output_bytes, bf16=node.bf16 if column else split.bf16)
     return _weights(split, tp, whole=row_bias or 0)
 
 

@@ -231,8 +231,9 @@ class Costs:
         # times are every process's at once.
         paired = cores.paired if cores else 1.0
         cut = paired * np.stack([self._cut_s(layout, arrays, k) for k in range(layout.stages)])
-        capacity = tuple(min(usable_memory(d, *communicators(layout, position)) for d in devices)
-                         for position, devices in enumerate(positions))
+        capacity = tuple(min(usable_memory(d, *communicators(layout, position,
+                                                             self.request.tp))
+                             for d in devices) for position, devices in enumerate(positions))
         runtime = tuple(max(d.runtime_bytes + self._sharding_host_bytes(layout, d)
                             for d in devices) for devices in positions)
         calibration = self.request.calibration
@@ -377,14 +378,16 @@ def compute_between(fwd: np.ndarray, bwd: np.ndarray, blocking: np.ndarray
     return between[0], between[1]
 
 
-def communicators(layout: Layout, position: int) -> tuple[int, int]:
+def communicators(layout: Layout, position: int, tp: int = 1) -> tuple[int, int]:
     """The communicators a rank at ``position`` uses beyond its job's default one, as (pairs of
     two ranks, groups of more): one per pipeline neighbour it sends to or receives from
     (torch's NCCL backend pairs each two ranks that exchange point to point), and the
-    pipeline and replica groups where neither spans the whole job (a dimension that does is the
-    default group). Tied weights' groups are not counted."""
+    pipeline, replica and tensor-parallel groups of more than one rank where none spans the
+    whole job (a dimension that does is the default group). Tied weights' groups are not
+    counted."""
     neighbours = {layout.position(k + step) for k in layout.stages_on(position)
                   for step in (-1, 1) if 0 <= k + step < layout.stages} - {position}
-    sizes = [layout.pp, layout.dp] if layout.pp > 1 and layout.dp > 1 else []
+    sizes = [size for size in (layout.pp, layout.dp, tp) if size > 1]
+    sizes = sizes if len(sizes) > 1 else []
     pairs = len(neighbours) + sum(size == 2 for size in sizes)
     return pairs, sum(size > 2 for size in sizes)

@@ -82,4 +82,4 @@ def plan_at(graph: CostGraph, shardable: Shardable, request: PlanRequest, tp: in
 
 def tp_groups(request: PlanRequest, tp: int) -> PlanRequest:
     """The request the pipeline and the replicas see: one device per tp group."""
-    return replace(request, gpus=request.gpus // tp, devices=request.devices[::tp])
+    return replace(request, gpus=request.gpus // tp, devices=request.devices[::tp], tp=tp)

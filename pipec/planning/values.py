@@ -34,6 +34,9 @@ class PlanRequest:
     # --boundaries: pipec's stage boundaries pinned, the first node of each stage after the
     # first (plan.json's stages[k].nodes[0]); None: solved (planning.balance).
     boundaries: tuple[int, ...] | None = None
+    # Tensor-parallel ranks per device of this request (pipec.planning.tp_search.tp_groups):
+    # each holds one more communicator.
+    tp: int = 1
 
 
 @dataclass(frozen=True, kw_only=True)

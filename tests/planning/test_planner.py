@@ -617,6 +617,17 @@ def test_communicators_a_rank_holds(layout: Layout, position: int,
     assert communicators(layout, position) == expected
 
 
+@pytest.mark.parametrize(("layout", "tp", "expected"), [
+    (Layout(1, 1), 2, (0, 0)),  # tp over the whole job: the default group
+    (Layout(1, 4), 2, (1, 1)),  # the tp pair, the replicas' group of 4
+    (Layout(4, 1), 8, (1, 2)),  # a neighbour, the pipeline's group of 4, the tp group of 8
+    (Layout(2, 2), 2, (4, 0)),  # a neighbour, and the pp, dp and tp pairs
+])
+def test_a_tp_group_is_one_more_communicator(layout: Layout, tp: int,
+                                             expected: tuple[int, int]) -> None:
+    assert communicators(layout, 0, tp) == expected
+
+
 def test_every_further_communicator_takes_from_a_gpu_s_usable_memory() -> None:
     gpu = PRESETS["a100-80g"]
     assert usable_memory(gpu) - usable_memory(gpu, 2, 1) == pytest.approx(
