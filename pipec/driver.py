@@ -21,7 +21,7 @@ from pipec.frontend import (
     trace_model,
 )
 from pipec.frontend.normalization import with_functional_group_norms
-from pipec.frontend.shardable import Region, Shardable, find_shardable
+from pipec.frontend.shardable import Shardable, find_shardable
 from pipec.planning import Plan, PlanRequest, check, check_request, plan
 from pipec.planning.tp_search import plan_at, plan_with_tp, tp_degrees, tp_groups
 
@@ -118,11 +118,12 @@ def _bind_calibration(request: PlanRequest, graph: CostGraph) -> PlanRequest:
 def compile_model(options: CompileOptions) -> tuple[Plan, Emitted]:
     analyzed = analyze(options)
     spec, traced, graph = analyzed.spec, analyzed.traced, analyzed.graph
-    chosen, regions = _plan_tp(analyzed, options.tp)
+    chosen, sharded = _plan_tp(analyzed, options.tp)
     norms = plan_norms(traced, graph, plan=chosen, choice=options.norm, groups=options.norm_groups)
     rewritten = with_functional_group_norms(traced.graph_module, norms.rewrites)
     staged = split(replace(traced, graph_module=rewritten), graph, chosen,
-                   user_module=spec.module.__name__, regions=regions)
+                   user_module=spec.module.__name__, regions=sharded.regions_at(chosen.tp),
+                   embeddings=sharded.vocabulary_at(chosen.tp))
     emitted = emit(spec, traced, chosen, norms, staged, out=options.out, force=options.force,
                    finish=export_stages if options.onnx else None)
     log.info("wrote %s: %d stage(s), micro-batch %d, %s", emitted.out, chosen.pp,
@@ -130,31 +131,29 @@ def compile_model(options: CompileOptions) -> tuple[Plan, Emitted]:
     return chosen, emitted
 
 
-def _plan_tp(analyzed: Analyzed, tp: str) -> tuple[Plan, tuple[Region, ...]]:
-    """The plan, and the regions its tp ranks shard: at ``tp`` ranks, or the fastest degree
-    (``auto``) the node's devices and the regions allow."""
-    degree = tp_option(tp)
+def _plan_tp(analyzed: Analyzed, tp: str) -> tuple[Plan, Shardable]:
+    """The plan, and what its tp ranks shard (nothing at tp 1): at ``tp`` ranks, or the
+    fastest degree (``auto``) the node's devices and the regions allow. The emitted script
+    has no sequence parallelism (yet): it is planned without."""
+    degree, nothing = tp_option(tp), Shardable((), (), ())
     if degree == 1:
-        return plan(analyzed.graph, analyzed.request), ()
+        return plan(analyzed.graph, analyzed.request), nothing
     graph, request = analyzed.graph, _per_rank_request(analyzed.request)
     shardable = find_shardable(analyzed.traced.graph_module,
                                {v.name: v.shape_high for v in graph.values})
     if degree is None:
-        # The emitted script has neither sequence nor vocabulary parallelism (yet): plan
-        # without them.
         found = plan_with_tp(graph, shardable, request, tp_degrees(shardable, request),
-                             sequence_parallel=False, vocabulary_parallel=False)
+                             sequence_parallel=False)
         if found.tp == 1:
-            return replace(plan(graph, analyzed.request), tp_tried=found.tried), ()
+            return replace(plan(graph, analyzed.request), tp_tried=found.tried), nothing
         degree, chosen = found.tp, replace(found.plan, tp_tried=found.tried)
     else:
         _check_regions(shardable, degree)
-        chosen = plan_at(graph, shardable, request, degree, sequence_parallel=False,
-                         vocabulary_parallel=False)
-    regions = shardable.regions_at(degree)
-    log.info("tensor parallelism: %d rank(s) per stage replica, %d region(s) sharded",
-             degree, len(regions))
-    return replace(chosen, tp=degree), regions
+        chosen = plan_at(graph, shardable, request, degree, sequence_parallel=False)
+    log.info("tensor parallelism: %d rank(s) per stage replica, %d region(s) and %d "
+             "embedding(s) sharded", degree, len(shardable.regions_at(degree)),
+             len(shardable.vocabulary_at(degree)))
+    return replace(chosen, tp=degree), shardable
 
 
 def tp_option(tp: str) -> int | None:

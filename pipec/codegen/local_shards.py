@@ -10,7 +10,9 @@ The graph calls Megatron-LM's conjugate operations: *enter* (forward the identit
 all-reduce of the gradient) on each value a region's column linears read, *reduce* (forward an
 all-reduce, backward the identity) after each row-parallel linear, whose bias, whole on every
 rank, is added after it, and *gather* (forward an all-gather along the last dimension, backward
-the rank's slice) on each output the model returns split.
+the rank's slice) on each output the model returns split. A vocabulary-parallel embedding holds
+the rank's rows and is looked up by a function that gives zeros for the others' rows and all-
+reduces (Megatron-LM's VocabParallelEmbedding).
 """
 
 from __future__ import annotations
@@ -24,10 +26,10 @@ from typing import Any
 import torch
 from torch import fx
 
-from pipec.frontend.shardable import Region, ShapeRewrite
+from pipec.frontend.shardable import Region, ShapeRewrite, VocabularyEmbedding
 
 __all__ = ["EMITTED_COLLECTIVES", "Collectives", "TensorShard", "local_weights",
-           "parallel_graph", "stage_regions", "tensor_shards"]
+           "parallel_graph", "stage_embeddings", "stage_regions", "tensor_shards"]
 
 
 def _local_graph(gm: fx.GraphModule, regions: Sequence[Region], tp: int) -> fx.GraphModule:
@@ -48,15 +50,23 @@ class Collectives:
     enter: Callable[[torch.Tensor], torch.Tensor]
     reduce: Callable[[torch.Tensor], torch.Tensor]
     gather: Callable[[torch.Tensor], torch.Tensor]
+    # A vocabulary-parallel lookup: (indices, the rank's rows, padding index or None), the
+    # rows other ranks hold as zeros, all-reduced.
+    embedding: Callable[..., torch.Tensor] | None = None
 
 
 def parallel_graph(gm: fx.GraphModule, regions: Sequence[Region], tp: int,
-                   collectives: Collectives) -> fx.GraphModule:
+                   collectives: Collectives,
+                   embeddings: Sequence[VocabularyEmbedding] = ()) -> fx.GraphModule:
     """A tp rank's graph: ``gm`` with its regions' shape constants divided and their
-    collectives (the rank's weights: ``local_weights``)."""
+    collectives, and ``embeddings`` looked up vocabulary-parallel (the rank's weights:
+    ``local_weights``)."""
     local = _local_graph(gm, regions, tp)
     graph = local.graph
     nodes = {n.name: n for n in graph.nodes}
+    for embedding in embeddings:
+        assert collectives.embedding is not None
+        _vocabulary_parallel(local, nodes[embedding.node], collectives.embedding)
     for region in regions:
         _enter(graph, [nodes[c] for c in region.column_nodes], collectives.enter)
         for name in region.row_nodes:
@@ -66,6 +76,23 @@ def parallel_graph(gm: fx.GraphModule, regions: Sequence[Region], tp: int,
     graph.lint()
     local.recompile()
     return local
+
+
+def _vocabulary_parallel(gm: fx.GraphModule, node: fx.Node,
+                         lookup: Callable[..., torch.Tensor]) -> None:
+    """``node`` (nn.Embedding's call or aten.embedding) as ``lookup(indices, weight,
+    padding index or None)``."""
+    graph = gm.graph
+    if node.op == "call_module":
+        module = gm.get_submodule(str(node.target))
+        with graph.inserting_before(node):
+            weight: Any = graph.get_attr(f"{node.target}.weight")
+        indices, padding = node.args[0], module.padding_idx
+    else:
+        weight, indices = node.args[0], node.args[1]
+        padding = node.args[2] if len(node.args) > 2 and node.args[2] != -1 else None
+    node.op, node.target = "call_function", lookup
+    node.args, node.kwargs = (indices, weight, padding), {}
 
 
 def _enter(graph: fx.Graph, columns: list[fx.Node], enter: Callable[..., Any]) -> None:
@@ -140,10 +167,11 @@ class TensorShard:
     pieces: tuple[int, ...]  # sizes along ``dim``, summing to the whole
 
 
-def tensor_shards(shapes: Mapping[str, Sequence[int]], regions: Sequence[Region]
-                  ) -> tuple[TensorShard, ...]:
-    """The tensors of ``shapes`` (state-dict key → whole shape) that ``regions`` shard."""
-    shards = []
+def tensor_shards(shapes: Mapping[str, Sequence[int]], regions: Sequence[Region],
+                  embeddings: Sequence[VocabularyEmbedding] = ()) -> tuple[TensorShard, ...]:
+    """The tensors of ``shapes`` (state-dict key → whole shape) that ``regions`` and the
+    vocabulary-parallel ``embeddings`` shard."""
+    shards = [TensorShard(e.path + ".weight", 0, (e.rows,)) for e in embeddings]
     for region in regions:
         fused = dict(region.fused)
         for path in region.columns:
@@ -156,15 +184,23 @@ def tensor_shards(shapes: Mapping[str, Sequence[int]], regions: Sequence[Region]
 
 
 def local_weights(state: Mapping[str, torch.Tensor], regions: Sequence[Region], tp: int,
-                  rank: int) -> dict[str, torch.Tensor]:
+                  rank: int, embeddings: Sequence[VocabularyEmbedding] = ()
+                  ) -> dict[str, torch.Tensor]:
     """Rank ``rank``'s tensors of ``state`` (the whole model's state dict): the linears of
-    ``regions`` sharded, everything else (row-parallel biases included) as it is."""
+    ``regions`` and the rows of ``embeddings`` sharded, everything else (row-parallel biases
+    included) as it is."""
     local = dict(state)
-    for shard in tensor_shards({k: v.shape for k, v in state.items()}, regions):
+    for shard in tensor_shards({k: v.shape for k, v in state.items()}, regions, embeddings):
         pieces = state[shard.name].split(list(shard.pieces), dim=shard.dim)
         local[shard.name] = torch.cat([p.chunk(tp, dim=shard.dim)[rank] for p in pieces],
                                       dim=shard.dim).contiguous()
     return local
+
+
+def stage_embeddings(embeddings: Sequence[VocabularyEmbedding], names: Mapping[str, str]
+                     ) -> tuple[VocabularyEmbedding, ...]:
+    """The embeddings a stage looks up, their nodes named as the stage's graph names them."""
+    return tuple(replace(e, node=names[e.node]) for e in embeddings if e.node in names)
 
 
 def stage_regions(regions: Sequence[Region], names: Mapping[str, str]) -> tuple[Region, ...]:
@@ -183,10 +219,10 @@ def stage_regions(regions: Sequence[Region], names: Mapping[str, str]) -> tuple[
         row_nodes=tuple(names[n] for n in r.row_nodes)) for r in inside)
 
 
-def _stand_in(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+def _stand_in(name: str) -> Callable[..., torch.Tensor]:
     """A collective the emitted tensor_parallel.py defines, under the name the emitted stages
     import from there."""
-    def collective(value: torch.Tensor) -> torch.Tensor:
+    def collective(*values: Any) -> torch.Tensor:
         raise AssertionError(f"{name} runs only in the emitted tensor_parallel.py")
     collective.__name__ = collective.__qualname__ = name
     collective.__module__ = "tensor_parallel"
@@ -194,4 +230,5 @@ def _stand_in(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 # The collectives the emitted stages call (pipec.codegen.split): tensor_parallel.py's.
-EMITTED_COLLECTIVES = Collectives(_stand_in("enter"), _stand_in("reduce"), _stand_in("gather"))
+EMITTED_COLLECTIVES = Collectives(_stand_in("enter"), _stand_in("reduce"), _stand_in("gather"),
+                                  _stand_in("vocabulary_embedding"))

@@ -27,6 +27,7 @@ from pipec.codegen.local_shards import (
     EMITTED_COLLECTIVES,
     TensorShard,
     parallel_graph,
+    stage_embeddings,
     stage_regions,
     tensor_shards,
 )
@@ -34,7 +35,7 @@ from pipec.errors import TraceError
 from pipec.frontend.annotate import COMPUTE_OPS, CostGraph
 from pipec.frontend.inplace import overwritten_inputs, storage_roots, written
 from pipec.frontend.liveness import rederivable_sizes, shape_symbols
-from pipec.frontend.shardable import Region
+from pipec.frontend.shardable import Region, VocabularyEmbedding
 from pipec.frontend.trace import Traced
 from pipec.planning.planner import Plan
 
@@ -72,9 +73,11 @@ class Staged:
 
 
 def split(traced: Traced, graph: CostGraph, plan: Plan, user_module: str,
-          regions: Sequence[Region] = ()) -> Staged:
-    """The plan's stages; under tensor parallelism (``regions``, sharded over ``plan.tp``
-    ranks) each stage as a tp rank runs it (pipec.codegen.local_shards)."""
+          regions: Sequence[Region] = (), embeddings: Sequence[VocabularyEmbedding] = ()
+          ) -> Staged:
+    """The plan's stages; under tensor parallelism (``regions`` and the vocabulary-parallel
+    ``embeddings``, sharded over ``plan.tp`` ranks) each stage as a tp rank runs it
+    (pipec.codegen.local_shards)."""
     gm = traced.graph_module
     compute = [n for n in gm.graph.nodes if n.op in COMPUTE_OPS]
     live = graph.live  # annotate's liveness: the values each boundary sends
@@ -104,10 +107,11 @@ def split(traced: Traced, graph: CostGraph, plan: Plan, user_module: str,
                 if spec.requires_grad or _is_float(spec.dtype)}
         stage_graph, paths, names = _stage_graph(gm, nodes, inputs, outputs, copied,
                                                  rederivable_sizes(compute))
-        if regions:
+        if regions or embeddings:
             stage_graph = parallel_graph(fx.GraphModule(gm, stage_graph),
                                          stage_regions(regions, names), plan.tp,
-                                         EMITTED_COLLECTIVES).graph
+                                         EMITTED_COLLECTIVES,
+                                         stage_embeddings(embeddings, names)).graph
         source, lines = _stage_source(stage_graph.python_code(root_module="self"), user_module)
         imports.update(dict.fromkeys(lines))
         codes.append(StageCode(
@@ -116,7 +120,7 @@ def split(traced: Traced, graph: CostGraph, plan: Plan, user_module: str,
             output_specs=specs.of(outputs or _model_outputs(gm), stage.end, sent=not last)))
     shapes = {k: v.shape for k, v in gm.state_dict().items()}
     return Staged(tuple(codes), tuple(sorted(imports)), tied_parameters(gm, codes),
-                  tensor_shards(shapes, regions))
+                  tensor_shards(shapes, regions, embeddings))
 
 
 def _is_float(dtype: str) -> bool:

@@ -1,17 +1,16 @@
 """What one tensor-parallel rank computes, holds and communicates.
 
-Inside a region every node works on 1/tp of the features or heads, so its FLOPs, weights,
-saved activations and outputs are divided by tp, with two exceptions: a row-parallel linear's
-output is whole (the all-reduce completes it), and under bf16 a column-parallel linear keeps a
-bf16 copy of its whole input for its weight gradient (in fp32 the whole input it keeps is its
-producer's output, outside the region). The collectives follow Megatron-LM (Shoeybi et al., 2019, §3):
-per region and micro-batch, an all-reduce of each row-parallel output in forward and of the
-gradient of each value the column linears read in backward. A gathered output (the LM head's
-logits) is all-gathered in forward: a ring all-gather moves half an all-reduce's bytes, so it is
-counted as an all-reduce of half its size. An embedding whose rows tp divides is
+Inside a region every node works on 1/tp of the features or heads, so its FLOPs, weights, saved
+activations and outputs are divided by tp, with two exceptions: a row-parallel linear's output
+is whole (the all-reduce completes it), and under bf16 a column-parallel linear keeps a bf16
+copy of its whole input for its weight gradient (in fp32 the whole input it keeps is its
+producer's output, outside the region). The collectives follow Megatron-LM (Shoeybi et al.,
+2019, §3): per region and micro-batch, an all-reduce of each row-parallel output in forward and
+of the gradient of each value the column linears read in backward. A gathered output (the LM
+head's logits) is all-gathered in forward: a ring all-gather moves half an all-reduce's bytes,
+so it is counted as an all-reduce of half its size. An embedding whose rows tp divides is
 vocabulary-parallel (Megatron-LM's VocabParallelEmbedding): a rank holds 1/tp of the rows and
-its output is all-reduced. A stage boundary may not cut a region: the values inside are
-split.
+its output is all-reduced. A stage boundary may not cut a region: the values inside are split.
 
 Nodes outside the regions (norms, residual adds, dropout) are replicated: every rank runs them
 whole, unless ``sequence_parallel``: then each rank runs them on 1/tp of the sequence, and each

@@ -99,9 +99,13 @@ class Shardable:
         """The regions that shard over ``tp`` ranks; the others stay whole."""
         return tuple(r for r in self.regions if r.allows(tp))
 
+    def vocabulary_at(self, tp: int) -> tuple[VocabularyEmbedding, ...]:
+        """The embeddings whose rows ``tp`` divides (none at tp 1)."""
+        return tuple(e for e in self.vocabulary if tp > 1 and e.rows % tp == 0)
+
     def embeddings_at(self, tp: int) -> tuple[str, ...]:
         """The graph nodes of the embeddings whose rows ``tp`` divides."""
-        return tuple(e.node for e in self.vocabulary if e.rows % tp == 0)
+        return tuple(e.node for e in self.vocabulary_at(tp))
 
 
 @dataclass(frozen=True)
@@ -521,15 +525,22 @@ class _Propagation:
             else name
 
     def _vocabulary(self) -> tuple[VocabularyEmbedding, ...]:
+        """The embeddings whose rows can shard: a plain lookup (no max_norm, no scaling by
+        frequency, dense) of a weight no other module shares."""
         found = []
+        shared = {name for names in _parameter_names(self.gm).values() if len(names) > 1
+                  for name in names}
         for node in self.gm.graph.nodes:
             if op_name(self.gm, node) != "embedding":
                 continue
             if node.op == "call_module":
                 module = self.gm.get_submodule(str(node.target))
-                found.append(VocabularyEmbedding(str(node.target), int(module.num_embeddings),
-                                                 node.name))
-            elif isinstance(node.args[0], fx.Node) and node.args[0].op == "get_attr":
+                if module.max_norm is None and not module.scale_grad_by_freq \
+                        and not module.sparse and f"{node.target}.weight" not in shared:
+                    found.append(VocabularyEmbedding(str(node.target),
+                                                     int(module.num_embeddings), node.name))
+            elif isinstance(node.args[0], fx.Node) and node.args[0].op == "get_attr" \
+                    and str(node.args[0].target) not in shared and not any(node.args[3:]):
                 weight = _attribute(self.gm, node.args[0])
                 found.append(VocabularyEmbedding(
                     str(node.args[0].target).removesuffix(".weight"), int(weight.shape[0]),
@@ -619,9 +630,7 @@ def _normalized(dim: Any, rank: int) -> int:
 def _tied_linears(gm: fx.GraphModule) -> dict[str, str]:
     """The linears whose weight another module shares (an LM head tied to the embedding),
     which stay whole: a rank's part would untie them."""
-    names: dict[int, list[str]] = {}
-    for name, parameter in gm.named_parameters(remove_duplicate=False):
-        names.setdefault(id(parameter), []).append(name)
+    names = _parameter_names(gm)
     tied = {}
     for node in gm.graph.nodes:
         if op_name(gm, node) != "linear":
@@ -636,6 +645,14 @@ def _tied_linears(gm: fx.GraphModule) -> dict[str, str]:
             tied[node.name] = (f"has a tied weight ({' = '.join(sharing)}): a rank's part "
                                "would untie them")
     return tied
+
+
+def _parameter_names(gm: fx.GraphModule) -> dict[int, list[str]]:
+    """Every name of each parameter, by identity (a tied one has several)."""
+    names: dict[int, list[str]] = {}
+    for name, parameter in gm.named_parameters(remove_duplicate=False):
+        names.setdefault(id(parameter), []).append(name)
+    return names
 
 
 def _attribute(gm: fx.GraphModule, node: Any) -> Any:

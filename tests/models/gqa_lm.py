@@ -46,7 +46,7 @@ class Block(nn.Module):
 class Llama(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.embed = nn.Embedding(VOCAB, WIDTH, padding_idx=VOCAB - 1)  # on the last tp rank
         self.blocks = nn.Sequential(*[Block() for _ in range(LAYERS)])
         self.norm = nn.RMSNorm(WIDTH)
         self.head = nn.Linear(WIDTH, VOCAB, bias=False)

@@ -71,6 +71,7 @@ def test_the_sample_gpt_trains_like_one_process(gpus: int, pp: int, fsdp: str,
     plan = json.loads((tmp_path / "tp" / "plan.json").read_text())
     assert (plan["tp"], plan["gpus"], plan["pp"], plan["dp"]) == (2, gpus, pp, gpus // 2 // pp)
     assert plan["mesh"][-1] == "tp"
+    assert '"tok_emb.weight": (0, (256,))' in (tmp_path / "tp" / "tensor_parallel.py").read_text()
 
 
 @pytest.mark.parametrize(("model", "gpus", "pp"), [("gqa_lm", 2, 1), ("tiny_llama", 4, 2),
@@ -84,7 +85,11 @@ def test_llama_shaped_models_train_like_one_process(model: str, gpus: int, pp: i
     reference = train(MODELS / f"{model}.py", tmp_path / "one", 1)
     losses = train(MODELS / f"{model}.py", tmp_path / "tp", gpus, tp="2", pp=pp)
     assert_same_losses(losses, reference)
-    assert (tmp_path / "tp" / "tensor_parallel.py").read_text().count('": (') >= 4
+    shards = (tmp_path / "tp" / "tensor_parallel.py").read_text()
+    assert shards.count('": (') >= 4
+    # An embedding no other module shares is vocabulary-parallel (gqa_lm's has a padding
+    # index, in the last rank's rows); a tied one stays whole.
+    assert ('"embed.weight": (0,' in shards) == (model == "gqa_lm")
 
 
 def test_a_run_resumes_across_tp_degrees_and_saves_whole_tensors(tmp_path: Path) -> None:
