@@ -18,7 +18,7 @@ import numpy as np
 
 from pipec.cost.hardware import Device
 from pipec.cost.kernel_cache import KernelRuns
-from pipec.frontend.costgraph import CostGraph, Linear, LossCost, NodeCost
+from pipec.frontend.costgraph import CostGraph, LossCost, NodeCost
 
 # Per fp32 parameter byte, what training keeps besides the weight itself: its gradient, the
 # optimizer state (SGD's momentum buffer; AdamW's two moments) and, under bf16 autocast, the
@@ -232,7 +232,8 @@ def node_arrays(graph: CostGraph, device: Device, micro_batch: int, training: Tr
     if calibration is not None:
         fwd, bwd = _calibrated(graph, calibration, micro_batch, fwd_flops, bwd_flops, moved)
     if graph.tp > 1:
-        collective_fwd, collective_bwd = tp_collectives_s(graph, device, micro_batch, bf16)
+        collective_fwd, collective_bwd = tp_collectives_s(graph, device, micro_batch, bf16,
+                                                          (fwd, bwd))
         fwd, bwd = fwd + collective_fwd, bwd + collective_bwd
     shared = np.array([n.shared_bytes for n in graph.nodes], dtype=float)
     static = ((param_bytes + shared) * static_ratio(training)
@@ -254,18 +255,50 @@ def node_arrays(graph: CostGraph, device: Device, micro_batch: int, training: Tr
                       np.where(param_bytes + shared > 0, out_bytes, 0.0))
 
 
-def tp_collectives_s(graph: CostGraph, device: Device, micro_batch: int, bf16: bool
+def tp_collectives_s(graph: CostGraph, device: Device, micro_batch: int, bf16: bool,
+                     compute: tuple[np.ndarray, np.ndarray] | None = None
                      ) -> tuple[np.ndarray, np.ndarray]:
     """Each node's tensor-parallel all-reduces, forward and backward, within a node (its
-    activations in bf16 under autocast)."""
+    activations in bf16 under autocast). Each blocks the pass, as a synchronized BatchNorm's
+    does: where the device's blocking all-reduce is measured and ``compute`` (each node's
+    forward and backward seconds) is given, it waits Device.blocking_collective_s +
+    blocking_drift · √(compute since the one before) in place of the link's latency."""
     ratio = 0.5 if bf16 else 1.0
+    forward = np.array([n.tp_forward_bytes.at(micro_batch) * ratio for n in graph.nodes])
+    backward = np.array([n.tp_backward_bytes.at(micro_batch) * ratio for n in graph.nodes])
+    wait_fwd = wait_bwd = np.zeros(len(graph.nodes))
+    latency = 0.0
+    if compute is not None and (device.blocking_collective_s or device.blocking_drift):
+        between_fwd, between_bwd = compute_between(*compute, (forward > 0) | (backward > 0))
+        wait_fwd = device.blocking_collective_s + device.blocking_drift * np.sqrt(between_fwd)
+        wait_bwd = device.blocking_collective_s + device.blocking_drift * np.sqrt(between_bwd)
+        latency = allreduce_s(0.0, graph.tp, device)
 
-    def seconds(quantities: list[Linear]) -> np.ndarray:
-        return np.array([allreduce_s(q.at(micro_batch) * ratio, graph.tp, device)
-                         if q.at(micro_batch) else 0.0 for q in quantities])
+    def seconds(moved: np.ndarray, wait: np.ndarray) -> np.ndarray:
+        return np.array([allreduce_s(b, graph.tp, device) - latency + w if b else 0.0
+                         for b, w in zip(moved, wait, strict=True)])
 
-    return (seconds([n.tp_forward_bytes for n in graph.nodes]),
-            seconds([n.tp_backward_bytes for n in graph.nodes]))
+    return seconds(forward, wait_fwd), seconds(backward, wait_bwd)
+
+
+def compute_between(fwd: np.ndarray, bwd: np.ndarray, blocking: np.ndarray
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """Per node that blocks (``blocking``), the compute since the block before it, forward and
+    backward. A micro-batch runs the nodes forward then backward, in reverse, and the next
+    micro-batch follows: the first block's compute wraps around from the last's (a plan with
+    no blocking node has none)."""
+    order = [(float(t), i, 0) for i, t in enumerate(fwd)] + \
+        [(float(bwd[i]), i, 1) for i in reversed(range(len(bwd)))]
+    between = np.zeros((2, len(fwd)))
+    blocks = [k for k, (_, i, _) in enumerate(order) if blocking[i]]
+    if not blocks:
+        return between[0], between[1]
+    for previous, current in zip([blocks[-1], *blocks[:-1]], blocks, strict=True):
+        span = range(previous + 1, current + 1) if previous < current else \
+            [*range(previous + 1, len(order)), *range(current + 1)]
+        _, i, pass_ = order[current]
+        between[pass_, i] = sum(order[k][0] for k in span)
+    return between[0], between[1]
 
 
 def kernel_runs(graph: CostGraph, device: Device, bf16: bool) -> KernelRuns:

@@ -14,6 +14,7 @@ from pipec.cost.model import (
     allreduce_bandwidth,
     allreduce_s,
     boundary_s,
+    compute_between,
     crosses_nodes,
     node_arrays,
     rank_of,
@@ -356,26 +357,6 @@ class Costs:
         times = [self.nodes(d, micro_batch) for d in set(self.request.devices)]
         return float(np.min([a.fwd_s + a.bwd_s * (1 - self.weight_share) for a in times],
                             axis=0).sum())
-
-
-def compute_between(fwd: np.ndarray, bwd: np.ndarray, blocking: np.ndarray
-                    ) -> tuple[np.ndarray, np.ndarray]:
-    """Per node that blocks (``blocking``), the compute since the block before it, forward and
-    backward. A micro-batch runs the nodes forward then backward, in reverse, and the next
-    micro-batch follows: the first block's compute wraps around from the last's (a plan with
-    no blocking node has none)."""
-    order = [(float(t), i, 0) for i, t in enumerate(fwd)] + \
-        [(float(bwd[i]), i, 1) for i in reversed(range(len(bwd)))]
-    between = np.zeros((2, len(fwd)))
-    blocks = [k for k, (_, i, _) in enumerate(order) if blocking[i]]
-    if not blocks:
-        return between[0], between[1]
-    for previous, current in zip([blocks[-1], *blocks[:-1]], blocks, strict=True):
-        span = range(previous + 1, current + 1) if previous < current else \
-            [*range(previous + 1, len(order)), *range(current + 1)]
-        _, i, pass_ = order[current]
-        between[pass_, i] = sum(order[k][0] for k in span)
-    return between[0], between[1]
 
 
 def communicators(layout: Layout, position: int, tp: int = 1) -> tuple[int, int]:

@@ -4,13 +4,16 @@ each region's input gradient backward."""
 
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
 import pytest
 import torch
 
 from conftest import SAMPLES
 from pipec.codegen.local_shards import local_weights
 from pipec.cost.hardware import load_hardware
-from pipec.cost.model import tp_collectives_s
+from pipec.cost.model import allreduce_s, tp_collectives_s
 from pipec.cost.sharded_costs import shard_costs
 from pipec.frontend.loader import load_model_file
 from pipec.inspection import TpInspection, shardable_model
@@ -103,3 +106,21 @@ def test_sequence_parallelism_splits_the_rest_and_the_boundaries(gpt: TpInspecti
         assert rank.params == node.params  # norm weights stay whole
     assert [c.at(4) / 2 for c in gpt.graph.cut_bytes] == \
         [c.at(4) for c in sequence.graph.cut_bytes]
+
+
+def test_a_tp_collective_waits_as_a_measured_blocking_all_reduce(gpt: TpInspection) -> None:
+    # Each blocks its pass as a synchronized BatchNorm's all-reduce does: where the device's
+    # blocking all-reduce is measured, its wait replaces the link's latency.
+    costs = shard_costs(gpt.graph, gpt.shardable.regions_at(2), 2).graph
+    device = dataclasses.replace(load_hardware("cpu"), blocking_collective_s=1e-3,
+                                 blocking_drift=0.0)
+    compute = (np.full(len(costs.nodes), 1e-4), np.full(len(costs.nodes), 2e-4))
+    plain = tp_collectives_s(costs, device, 4, bf16=False)
+    blocking = tp_collectives_s(costs, device, 4, bf16=False, compute=compute)
+    latency = allreduce_s(0.0, 2, device)
+    for before, after in zip(plain, blocking, strict=True):
+        assert np.count_nonzero(before) == np.count_nonzero(after) > 0
+        assert after[before > 0] == pytest.approx(before[before > 0] - latency + 1e-3)
+    drifting = dataclasses.replace(device, blocking_drift=0.01)
+    later = tp_collectives_s(costs, drifting, 4, bf16=False, compute=compute)
+    assert all((b[b > 0] > a[a > 0]).all() for a, b in zip(blocking, later, strict=True))

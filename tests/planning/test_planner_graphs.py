@@ -17,12 +17,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pipec.cost.hardware import Device
-from pipec.cost.model import Training
+from pipec.cost.model import Training, compute_between
 from pipec.cost.stage_memory import StageMemory
 from pipec.errors import InfeasibleError
 from pipec.frontend.annotate import CostGraph, Linear, LossCost, NodeCost
 from pipec.planning.planner import MaxBatch, Plan, PlanRequest, plan
-from pipec.planning.points import compute_between
 
 KIB, MIB = 2**10, 2**20
 ZERO = Linear(0.0, 0.0)
