@@ -57,14 +57,16 @@ def one_process(tmp_path_factory: pytest.TempPathFactory) -> str:
     return train_text(SAMPLES / "gpt.py", tmp_path_factory.mktemp("tp") / "one", 1)
 
 
-@pytest.mark.parametrize(("gpus", "pp", "fsdp"), [(2, 1, "off"), (4, 2, "off"), (4, 1, "off"),
-                                                  (4, 1, "zero2")],
-                         ids=["tp2", "tp2xpp2", "tp2xdp2", "tp2xfsdp2"])
-def test_the_sample_gpt_trains_like_one_process(gpus: int, pp: int, fsdp: str,
+@pytest.mark.parametrize(("gpus", "pp", "fsdp", "schedule"), [
+    (2, 1, "off", "auto"), (4, 2, "off", "1f1b"), (4, 1, "off", "auto"), (4, 1, "zero2", "auto"),
+    (4, 2, "off", "zbv")], ids=["tp2", "tp2xpp2", "tp2xdp2", "tp2xfsdp2", "tp2xpp2-zbv"])
+def test_the_sample_gpt_trains_like_one_process(gpus: int, pp: int, fsdp: str, schedule: str,
                                                 one_process: str, tmp_path: Path) -> None:
+    # ZB-V splits each backward into the input's gradient (where the tp all-reduces run) and
+    # the weights'.
     assert len(set(losses_of(one_process))) > 1  # really training
     text = train_text(SAMPLES / "gpt.py", tmp_path / "tp", gpus, tp="2", pp=pp, fsdp=fsdp,
-                      schedule="1f1b" if pp > 1 else "auto")
+                      schedule=schedule, micro_batch=4 if schedule == "zbv" else None)
     assert_same_losses(losses_of(text), losses_of(one_process))
     # The norm clipped is the whole model's: each tp rank's parts summed over the group.
     assert gradient_norms(text) == pytest.approx(gradient_norms(one_process), rel=1e-4)
@@ -90,6 +92,18 @@ def test_llama_shaped_models_train_like_one_process(model: str, gpus: int, pp: i
     # An embedding no other module shares is vocabulary-parallel (gqa_lm's has a padding
     # index, in the last rank's rows); a tied one stays whole.
     assert ('"embed.weight": (0,' in shards) == (model == "gqa_lm")
+
+
+def test_evaluation_through_a_tp_pipeline_equals_the_pipeline_alone(tmp_path: Path) -> None:
+    digits = MODELS / "digits_eval.py"
+    held = []
+    for name, gpus, tp in (("pp", 2, "1"), ("tp", 4, "2")):
+        compile_to(digits, tmp_path / name, gpus=gpus, pp=2, tp=tp, batch_size=32)
+        text = run_forked_text(tmp_path / name, gpus, "--steps", "2", "--eval-every", "1")
+        held.append([float(v) for v in re.findall(r"held-out after step \d+ .* loss (\S+)",
+                                                  text)])
+    assert len(held[0]) == 2
+    assert held[1] == pytest.approx(held[0], rel=1e-5)
 
 
 def test_a_run_resumes_across_tp_degrees_and_saves_whole_tensors(tmp_path: Path) -> None:
