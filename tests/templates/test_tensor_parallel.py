@@ -94,6 +94,15 @@ def test_llama_shaped_models_train_like_one_process(model: str, gpus: int, pp: i
     assert ('"embed.weight": (0,' in shards) == (model == "gqa_lm")
 
 
+def test_bf16_autocast_under_tp_trains_close_to_one_process(tmp_path: Path) -> None:
+    # The row-parallel partial sums are all-reduced in bf16 (as Megatron-LM does), where one
+    # process accumulates the whole product in fp32: close, not equal.
+    gpt = SAMPLES / "gpt.py"
+    reference = train(gpt, tmp_path / "one", 1, precision="bf16")
+    losses = train(gpt, tmp_path / "tp", 2, tp="2", pp=1, precision="bf16")
+    assert losses == pytest.approx(reference, rel=2e-4)
+
+
 def test_evaluation_through_a_tp_pipeline_equals_the_pipeline_alone(tmp_path: Path) -> None:
     digits = MODELS / "digits_eval.py"
     held = []
