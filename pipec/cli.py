@@ -53,6 +53,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PipecError as exc:
         print(f"pipec: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except BrokenPipeError:
+        # A reader that stopped early (`pipec inspect ... | head`): nothing more to say, and
+        # Python must not report the pipe again when it flushes stdout at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 def _parser() -> argparse.ArgumentParser:

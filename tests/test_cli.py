@@ -108,3 +108,12 @@ def test_options_reach_the_plan_request_by_name(tmp_path: Path) -> None:
 def test_request_errors(change: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(message)):
         _request(replace(CompileOptions(model=SAMPLES / "mlp.py"), **change))
+
+
+def test_a_reader_that_stops_early_gets_no_traceback() -> None:
+    # `pipec inspect MODEL --tp 2 | head -1`: head closes the pipe after one line.
+    result = subprocess.run(f"{sys.executable} -m pipec.cli inspect {SAMPLES / 'gpt.py'} "
+                            "--tp 2 | head -1", shell=True, capture_output=True, text=True,
+                            timeout=120)
+    assert result.stdout.startswith("9 of 9 region(s) shard over 2 rank(s)")
+    assert "Traceback" not in result.stderr and "BrokenPipe" not in result.stderr
