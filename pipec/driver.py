@@ -160,7 +160,7 @@ def tp_option(tp: str) -> int | None:
     """``--tp``: a positive integer, or None for ``auto``."""
     if tp == "auto":
         return None
-    if not tp.isdigit() or int(tp) < 1:
+    if not (tp.isascii() and tp.isdecimal()) or int(tp) < 1:
         raise ConfigError(f"--tp {tp!r}: use a positive integer (the tensor-parallel ranks of "
                           "each stage replica) or auto")
     return int(tp)
@@ -199,9 +199,11 @@ def _per_rank_request(request: PlanRequest) -> PlanRequest:
 
 def _request(options: CompileOptions) -> PlanRequest:
     """The plan request the options make, checked before anything reads the model."""
+    if tp_option(options.tp) != 1 and options.onnx:
+        raise ConfigError(f"--onnx with --tp {options.tp}: the ONNX stages are whole-model "
+                          "stages, and a tp rank's are its parts; drop one of the two")
     if options.onnx:
         require_onnx()
-    tp_option(options.tp)
     if options.measure not in MEASURE_CHOICES:
         raise ConfigError(f"--measure {options.measure!r} (or PIPEC_MEASURE): use auto or off")
     request = PlanRequest(

@@ -124,7 +124,13 @@ def _reduce(gm: fx.GraphModule, row: fx.Node, reduce: Callable[..., Any]) -> Non
         row.args, row.kwargs = row.args[:2], {}
     reduced = _after(graph, row, reduce)
     if bias is not None:
-        _after(graph, reduced, operator.add, bias)
+        # In the output's dtype, as the linear adds it (bf16 under autocast).
+        with graph.inserting_after(reduced):
+            cast = graph.call_method("type_as", (bias, reduced))
+        with graph.inserting_after(cast):
+            added = graph.call_function(operator.add, (reduced, cast))
+        reduced.replace_all_uses_with(added, delete_user_cb=lambda user: user not in (cast,
+                                                                                       added))
 
 
 def _after(graph: fx.Graph, node: fx.Node, function: Callable[..., Any], *more: Any

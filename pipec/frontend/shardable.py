@@ -20,12 +20,14 @@ aten operators.
 
 from __future__ import annotations
 
+import collections
 import math
 import operator
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import fx
 
 __all__ = ["Region", "ShapeRewrite", "Shardable", "VocabularyEmbedding", "WholeLinear",
@@ -187,6 +189,7 @@ class _Propagation:
         self.parent: list[int] = []
         self.parts: list[_RegionParts] = []
         self.conflicts: dict[int, str] = {}  # region -> the first conflict's reason
+        self.trained = _trained_values(gm)
 
     def run(self) -> None:
         for node in self.gm.graph.nodes:
@@ -329,6 +332,9 @@ class _Propagation:
             if position >= 0 and shape[position] != 1:
                 raise _Conflict(f"combines the split value with {whole.name}, whole along "
                                 "the split dimension")
+            if whole in self.trained:  # each rank would make a part of its gradient
+                raise _Conflict(f"combines the split value with {whole.name}, made from "
+                                "trained parameters")
         return _Shard(dim, pieces.pop(), shards[0][1].region)
 
     def _view(self, node: fx.Node) -> _Shard:
@@ -530,6 +536,11 @@ class _Propagation:
         found = []
         shared = {name for names in _parameter_names(self.gm).values() if len(names) > 1
                   for name in names}
+        # A weight another node reads as well (x @ emb.weight.t()) would see a rank's rows.
+        reads = collections.Counter(
+            f"{n.target}.weight" if n.op == "call_module" else str(n.target)
+            for n in self.gm.graph.nodes if n.op in ("call_module", "get_attr"))
+        shared |= {name for name, count in reads.items() if count > 1}
         for node in self.gm.graph.nodes:
             if op_name(self.gm, node) != "embedding":
                 continue
@@ -540,6 +551,8 @@ class _Propagation:
                     found.append(VocabularyEmbedding(str(node.target),
                                                      int(module.num_embeddings), node.name))
             elif isinstance(node.args[0], fx.Node) and node.args[0].op == "get_attr" \
+                    and str(node.args[0].target).endswith(".weight") \
+                    and len(node.args[0].users) == 1 \
                     and str(node.args[0].target) not in shared and not any(node.args[3:]):
                 weight = _attribute(self.gm, node.args[0])
                 found.append(VocabularyEmbedding(
@@ -625,6 +638,25 @@ def _normalized(dim: Any, rank: int) -> int:
     if not isinstance(dim, int):
         raise _Conflict("takes its dimension from a computed value")
     return dim % rank
+
+
+def _trained_values(gm: fx.GraphModule) -> set[fx.Node]:
+    """The nodes whose value depends on a trained parameter: read as an attribute, or held by
+    a module the node calls (a linear's output, a norm's)."""
+    trained: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        if _holds_trained(gm, node) or any(arg in trained for arg in node.all_input_nodes):
+            trained.add(node)
+    return trained
+
+
+def _holds_trained(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """``node`` reads a trained parameter, or calls a module that holds one."""
+    if node.op == "get_attr":
+        value = operator.attrgetter(str(node.target))(gm)
+        return isinstance(value, torch.nn.Parameter) and value.requires_grad
+    return node.op == "call_module" and any(
+        p.requires_grad for p in gm.get_submodule(str(node.target)).parameters())
 
 
 def _tied_linears(gm: fx.GraphModule) -> dict[str, str]:

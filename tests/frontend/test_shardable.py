@@ -111,6 +111,27 @@ def test_a_linear_added_to_the_residual_stays_whole_and_says_why() -> None:
     assert "add" in found.whole[0].reason and "whole along the split" in found.whole[0].reason
 
 
+class ScaledMLP(nn.Module):
+    """An MLP whose hidden features are scaled by a trained vector of size 1 along them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 32), nn.Linear(32, 8)
+        self.scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.relu(self.up(x)) * self.scale)
+
+
+def test_a_trained_parameter_inside_a_region_keeps_it_whole() -> None:
+    # Each rank would make the part of its gradient that its features give, and nothing
+    # would sum the parts.
+    found = shardable_of(ScaledMLP(), torch.randn(2, 8))
+    assert [w.path for w in found.whole] == ["up"]
+    assert "made from trained parameters" in found.whole[0].reason
+    assert kinds(found) == ["head"]  # the last linear alone, its output gathered
+
+
 class Router(nn.Module):
     """A mixture-of-experts router: softmax over the experts the linear scores."""
 

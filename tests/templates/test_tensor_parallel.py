@@ -69,7 +69,8 @@ def test_the_sample_gpt_trains_like_one_process(gpus: int, pp: int, fsdp: str, s
                       schedule=schedule, micro_batch=4 if schedule == "zbv" else None)
     assert_same_losses(losses_of(text), losses_of(one_process))
     # The norm clipped is the whole model's: each tp rank's parts summed over the group.
-    assert gradient_norms(text) == pytest.approx(gradient_norms(one_process), rel=1e-4)
+    assert len(gradient_norms(text)) == int(STEPS)
+    assert gradient_norms(text) == pytest.approx(gradient_norms(one_process), rel=1e-3)
     plan = json.loads((tmp_path / "tp" / "plan.json").read_text())
     assert (plan["tp"], plan["gpus"], plan["pp"], plan["dp"]) == (2, gpus, pp, gpus // 2 // pp)
     assert plan["mesh"][-1] == "tp"
@@ -92,6 +93,15 @@ def test_llama_shaped_models_train_like_one_process(model: str, gpus: int, pp: i
     # An embedding no other module shares is vocabulary-parallel (gqa_lm's has a padding
     # index, in the last rank's rows); a tied one stays whole.
     assert ('"embed.weight": (0,' in shards) == (model == "gqa_lm")
+
+
+@pytest.mark.parametrize("recompute", ["full", "selective"])
+def test_recomputation_under_tp_trains_like_one_process(recompute: str, one_process: str,
+                                                        tmp_path: Path) -> None:
+    # Selective recomputation keeps each product's output: the row-parallel all-reduce must
+    # leave it as it was, for the recomputed forward.
+    losses = train(SAMPLES / "gpt.py", tmp_path / "tp", 2, tp="2", pp=1, recompute=recompute)
+    assert_same_losses(losses, losses_of(one_process))
 
 
 def test_bf16_autocast_under_tp_trains_close_to_one_process(tmp_path: Path) -> None:
@@ -120,8 +130,7 @@ def test_a_run_resumes_across_tp_degrees_and_saves_whole_tensors(tmp_path: Path)
     losses of one uninterrupted process, AdamW state included; the model saved by tp 2 × FSDP
     2 equals the one process's."""
     gpt = SAMPLES / "gpt.py"
-    whole = train(gpt, tmp_path / "one", 1, "--steps", "8", "--save-model",
-                  str(tmp_path / "one.safetensors"))
+    whole = train(gpt, tmp_path / "one", 1, "--steps", "8")
     for name, gpus, pp, fsdp in (("fsdp", 4, 1, "zero2"), ("pp", 4, 2, "off")):
         compile_to(gpt, tmp_path / name, gpus=gpus, pp=pp, tp="2", fsdp=fsdp, batch_size=16,
                    optimizer="adamw")
@@ -136,11 +145,14 @@ def test_a_run_resumes_across_tp_degrees_and_saves_whole_tensors(tmp_path: Path)
     assert sorted(parts) == list(range(1, 9))
     for step, loss in parts.items():
         assert loss == pytest.approx(whole[step - 1], rel=1e-5), (parts, whole)
-    # The model after step 3 (tp 2 × FSDP 2) against the one process's after step 8: the same
-    # keys and shapes, whole tensors.
+    # The model tp 2 × FSDP 2 saved after step 3 is one process's after step 3.
+    run_forked(tmp_path / "one", 1, *TRAINING, "--steps", "3", "--save-model",
+               str(tmp_path / "one-3.safetensors"))
     saved = load_file(tmp_path / "fsdp.safetensors")
-    expected = load_file(tmp_path / "one.safetensors")
-    assert {k: t.shape for k, t in saved.items()} == {k: t.shape for k, t in expected.items()}
+    expected = load_file(tmp_path / "one-3.safetensors")
+    assert saved.keys() == expected.keys()
+    for key, tensor in expected.items():
+        assert (saved[key] - tensor).abs().max() <= 1e-5, key
 
 
 def test_the_saved_model_of_a_tp_plan_equals_one_process_and_initializes_one(
@@ -172,9 +184,12 @@ def test_compiling_a_tp_plan_twice_gives_identical_files(tmp_path: Path) -> None
     ("gpt", {"gpus": 4, "tp": "3"}, "does not divide the 4 device"),
     ("gpt", {"gpus": 2, "tp": "two"}, "use a positive integer"),
     ("gpt", {"gpus": 2, "tp": "0"}, "use a positive integer"),
+    ("gpt", {"gpus": 2, "tp": "²"}, "use a positive integer"),
+    ("gpt", {"gpus": 2, "tp": "2", "onnx": True}, "--onnx with --tp 2"),
     ("gpt", {"gpus": 7, "tp": "7"}, "no region divides by 7"),
     ("gpt", {"gpus": 4, "tp": "2", "batch_size": 5}, "not divisible by the 2 data-parallel"),
-], ids=["not-a-divisor", "not-a-number", "zero", "divides-no-region", "batch"])
+], ids=["not-a-divisor", "not-a-number", "zero", "superscript", "onnx", "divides-no-region",
+        "batch"])
 def test_a_tp_the_model_or_the_devices_do_not_allow_is_a_clear_error(
         model: str, options: dict[str, Any], message: str, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=message):
