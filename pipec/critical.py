@@ -20,7 +20,7 @@ from typing import Any
 # An action as recorded: kind ("forward", "backward", "weight"), stage, micro-batch, start, end
 # (seconds from the step's first start on any rank).
 Action = tuple[str, int, int, float, float]
-_Key = tuple[int, str, int, int]  # replica, kind, stage, micro-batch
+_Key = tuple[tuple[int, int], str, int, int]  # (replica, tp rank), kind, stage, micro-batch
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,9 @@ def step_breakdown(ranks: list[dict[str, Any]], stages: int) -> Breakdown:
     of its last's."""
     actions = {r["rank"]: sorted((tuple(a) for a in r["actions"]), key=lambda a: a[3])
                for r in ranks}
-    replica = {r["rank"]: r["replica"] for r in ranks}
+    # A rank's copy of the pipeline: its replica and, under tensor parallelism, its tp rank
+    # (metrics files without one: 0).
+    replica = {r["rank"]: (r["replica"], r.get("tp", 0)) for r in ranks}
     where = {(replica[rank], a[0], a[1], a[2]): (rank, i)
              for rank, listed in actions.items() for i, a in enumerate(listed)}
     starts = {r["rank"]: r["start"] for r in ranks}
@@ -82,7 +84,8 @@ def step_breakdown(ranks: list[dict[str, Any]], stages: int) -> Breakdown:
 
 
 def _predecessor(actions: dict[int, list[Action]], where: dict[_Key, tuple[int, int]],
-                 replica: int, rank: int, i: int, stages: int) -> tuple[int, int] | None:
+                 replica: tuple[int, int], rank: int, i: int, stages: int
+                 ) -> tuple[int, int] | None:
     """Of the rank's previous action and the action whose output this one needs, the one that
     ended later (None: neither was recorded)."""
     kind, stage, micro_batch = actions[rank][i][:3]

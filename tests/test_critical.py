@@ -74,3 +74,16 @@ def test_no_timelines_no_breakdown_and_the_mean_keeps_the_sum() -> None:
     assert idle.before_s == idle.step_s == 2.0 and idle.actions == 0
     mean = mean_breakdown([GPIPE, GPIPE], stages=2)
     assert mean is not None and sum(mean.parts().values()) == pytest.approx(mean.step_s)
+
+
+def test_tensor_parallel_ranks_are_apart_copies_of_the_pipeline() -> None:
+    # tp 2: each pipeline rank has a twin with its own clock (here 0.3 later); without the tp
+    # rank in the key, one rank's actions would stand for its twin's.
+    twins = [{**rank, "rank": rank["rank"] + 2, "tp": 1,
+              "actions": [[*a[:3], a[3] + 0.3, a[4] + 0.3] for a in rank["actions"]]}
+             for rank in GPIPE]
+    path = step_breakdown([*twins, *({**r, "tp": 0} for r in GPIPE)], stages=2)
+    alone = step_breakdown(GPIPE, stages=2)
+    assert (path.actions, path.hops) == (alone.actions, alone.hops)
+    assert (path.compute_s, path.input_waits_s, path.between_s) == pytest.approx(
+        (alone.compute_s, alone.input_waits_s, alone.between_s))
