@@ -145,6 +145,8 @@ def _plan_tp(analyzed: Analyzed, tp: str) -> tuple[Plan, Shardable]:
         found = plan_with_tp(graph, shardable, request, tp_degrees(shardable, request),
                              sequence_parallel=False)
         if found.tp == 1:
+            # Chosen on the same footing as the other degrees; planned again with the
+            # model's measured node times, which only a whole-model plan may use.
             return replace(plan(graph, analyzed.request), tp_tried=found.tried), nothing
         degree, chosen = found.tp, replace(found.plan, tp_tried=found.tried)
     else:
@@ -153,7 +155,7 @@ def _plan_tp(analyzed: Analyzed, tp: str) -> tuple[Plan, Shardable]:
     log.info("tensor parallelism: %d rank(s) per stage replica, %d region(s) and %d "
              "embedding(s) sharded", degree, len(shardable.regions_at(degree)),
              len(shardable.vocabulary_at(degree)))
-    return replace(chosen, tp=degree), shardable
+    return chosen, shardable
 
 
 def tp_option(tp: str) -> int | None:
@@ -193,8 +195,7 @@ def _per_rank_request(request: PlanRequest) -> PlanRequest:
     calibration = request.calibration
     if calibration is None or not calibration.nodes:
         return request
-    return replace(request, calibration=replace(calibration, nodes=(), loss=None, kept_norm=(),
-                                                split_backward=None))
+    return replace(request, calibration=calibration.fitted())
 
 
 def _request(options: CompileOptions) -> PlanRequest:

@@ -118,9 +118,9 @@ def split(traced: Traced, graph: CostGraph, plan: Plan, user_module: str,
             stage.index, f"Stage{stage.index}", tuple(inputs), outputs, paths, source,
             input_specs=input_specs,
             output_specs=specs.of(outputs or _model_outputs(gm), stage.end, sent=not last)))
-    shapes = {k: v.shape for k, v in gm.state_dict().items()}
-    return Staged(tuple(codes), tuple(sorted(imports)), tied_parameters(gm, codes),
-                  tensor_shards(shapes, regions, embeddings))
+    shards = tensor_shards({k: v.shape for k, v in gm.state_dict().items()}, regions,
+                           embeddings) if regions or embeddings else ()
+    return Staged(tuple(codes), tuple(sorted(imports)), tied_parameters(gm, codes), shards)
 
 
 def _is_float(dtype: str) -> bool:

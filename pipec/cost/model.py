@@ -117,8 +117,12 @@ class Calibration:
         the same order)."""
         same = [(n.name, n.target) for n in graph.nodes] == [(t.node, t.target)
                                                              for t in self.nodes]
-        return self if same else replace(self, nodes=(), loss=None, data_s=(0.0, 0.0),
-                                          kept_norm=(), split_backward=None)
+        return self if same else replace(self.fitted(), data_s=(0.0, 0.0))
+
+    def fitted(self) -> Calibration:
+        """This calibration without the profiled graph's own node timings (its loss, kept
+        BatchNorms and split backward): the fitted constants alone."""
+        return replace(self, nodes=(), loss=None, kept_norm=(), split_backward=None)
 
 
 def _interpolate(sizes: tuple[int, ...], seconds: tuple[float, ...], micro_batch: int) -> float:

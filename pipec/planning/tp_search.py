@@ -47,8 +47,7 @@ def tp_degrees(shardable: Shardable, request: PlanRequest, limit: int | None = N
 
 
 def plan_with_tp(graph: CostGraph, shardable: Shardable, request: PlanRequest,
-                 degrees: tuple[int, ...], sequence_parallel: bool = True,
-                 vocabulary_parallel: bool = True) -> TpPlan:
+                 degrees: tuple[int, ...], sequence_parallel: bool = True) -> TpPlan:
     """The fastest plan over ``degrees``; an InfeasibleError, the last degree's, when none
     fits."""
     tried: list[tuple[int, float | None]] = []
@@ -56,8 +55,7 @@ def plan_with_tp(graph: CostGraph, shardable: Shardable, request: PlanRequest,
     error: InfeasibleError | None = None
     for tp in degrees:
         try:
-            found = plan_at(graph, shardable, request, tp, sequence_parallel,
-                            vocabulary_parallel)
+            found = plan_at(graph, shardable, request, tp, sequence_parallel)
         except InfeasibleError as exc:
             tried.append((tp, None))
             error = exc
@@ -71,12 +69,12 @@ def plan_with_tp(graph: CostGraph, shardable: Shardable, request: PlanRequest,
 
 
 def plan_at(graph: CostGraph, shardable: Shardable, request: PlanRequest, tp: int,
-            sequence_parallel: bool = True, vocabulary_parallel: bool = True) -> Plan:
+            sequence_parallel: bool = True) -> Plan:
     """One tp rank's plan over ``request.gpus / tp`` devices, one per tp group; sequence
     parallelism between the regions by default (Megatron-LM's with tp: the same bytes
     communicated, 1/tp of the activations between regions)."""
-    embeddings = shardable.embeddings_at(tp) if vocabulary_parallel else ()
-    costs = shard_costs(graph, shardable.regions_at(tp), tp, embeddings, sequence_parallel)
+    costs = shard_costs(graph, shardable.regions_at(tp), tp, shardable.embeddings_at(tp),
+                        sequence_parallel)
     return plan(costs.graph, tp_groups(request, tp))
 
 

@@ -147,11 +147,14 @@ class Plan:
     # Ranks: a position's replicas on neighbouring ranks (True) or a replica's positions.
     replicas_inner: bool = False
     fsdp: str = "off"  # "zero2"/"zero3": FSDP over each stage's replicas in place of DDP
-    # Tensor-parallel ranks per stage replica: the request's devices are then the tp groups
-    # (one rank's costs on each), and the job runs on gpus · tp processes.
-    tp: int = 1
     # Under --tp auto: each degree tried and its predicted samples/s (None: nothing fits).
     tp_tried: tuple[tuple[int, float | None], ...] = ()
+
+    @property
+    def tp(self) -> int:
+        """Tensor-parallel ranks per stage replica: the request's devices are then the tp
+        groups (one rank's costs on each)."""
+        return self.request.tp
 
     @property
     def processes(self) -> int:

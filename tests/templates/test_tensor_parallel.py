@@ -25,6 +25,7 @@ from conftest import (
 )
 from pipec.driver import CompileOptions, compile_model
 from pipec.errors import ConfigError
+from pipec.frontend.loader import load_model_file
 
 STEPS = "4"
 # Clipped below the sample GPT's gradient norm (about 0.3): the norm over tp ranks matters.
@@ -89,7 +90,11 @@ def test_llama_shaped_models_train_like_one_process(model: str, gpus: int, pp: i
     losses = train(MODELS / f"{model}.py", tmp_path / "tp", gpus, tp="2", pp=pp)
     assert_same_losses(losses, reference)
     shards = (tmp_path / "tp" / "tensor_parallel.py").read_text()
-    assert shards.count('": (') >= 4
+    # Both kinds of linear hold a part, under the model's own keys.
+    sharded = dict(re.findall(r'^    "([^"]+)": \((\d),', shards, re.MULTILINE))
+    assert set(sharded.values()) == {"0", "1"}
+    assert sharded.keys() <= load_model_file(MODELS / f"{model}.py").build_model() \
+        .state_dict().keys()
     # An embedding no other module shares is vocabulary-parallel (gqa_lm's has a padding
     # index, in the last rank's rows); a tied one stays whole.
     assert ('"embed.weight": (0,' in shards) == (model == "gqa_lm")
