@@ -15,10 +15,12 @@ from __future__ import annotations
 import collections
 import functools
 import itertools
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from pipec.cost.cores import SharedCores, Steps, arrival_s, shared_times
+from pipec.cost.cores import SharedCores, Steps, shared_times
 from pipec.planning.schedules import ZERO_BUBBLE, action_order, in_flight, stage_device
 
 
@@ -100,10 +102,9 @@ def simulate(schedule: str, fwd_s: list[float], bwd_s: list[float], num_micro_ba
     pp = pp or stages
     structure = _structure(schedule, pp, num_micro_batches, stages // pp)
     weights = weight_s if weight_s is not None else [b / 2 for b in bwd_s]
-    durations = {"F": fwd_s, "B": bwd_s, "W": weights,
-                 "I": [b - w for b, w in zip(bwd_s, weights, strict=True)]}
-    each = [durations[kind][stage] for kind, stage, *_ in structure.steps]
-    links = _link_s(structure.steps, transfer_s)
+    inputs = [b - w for b, w in zip(bwd_s, weights, strict=True)]
+    each = _per_step(structure, [*fwd_s, *bwd_s, *weights, *inputs])
+    links = _link_s(structure, transfer_s)
     if cores is not None and cores.shared:
         start, end = shared_times(structure.steps, each, pp, cores, late_receive_s, links)
     else:
@@ -112,87 +113,129 @@ def simulate(schedule: str, fwd_s: list[float], bwd_s: list[float], num_micro_ba
     busy = sum(end) - sum(start)
     bubble = 1 - busy / (pp * iteration) if iteration > 0 else 0.0
     actions = tuple(sorted((Action(s, k, kind, start[i], end[i], d)
-                            for i, (kind, s, k, d, _, _) in enumerate(structure.steps)),
+                            for i, (kind, s, k, d) in enumerate(zip(
+                                structure.kinds, structure.stages, structure.micro_batches,
+                                structure.devices, strict=True))),
                            key=lambda a: (a.device, a.start_s))) if timeline else ()
     return Simulation(iteration, bubble, in_flight(schedule, pp, num_micro_batches, stages // pp),
                       actions)
 
 
-def _link_s(steps: Steps, transfer_s: tuple[Sequence[float], Sequence[float]] | None
+def _per_step(structure: _Structure, table: list[float]) -> list[float]:
+    """``table[structure.codes[i]]`` for each step (one C-level gather, not a Python loop)."""
+    if not structure.codes:
+        return []
+    picked = operator.itemgetter(*structure.codes)(table)
+    return list(picked) if len(structure.codes) > 1 else [picked]
+
+
+def _link_s(structure: _Structure, transfer_s: tuple[Sequence[float], Sequence[float]] | None
             ) -> list[float]:
     """Per step, its output's time on the link: a forward sends to the stage after, a backward
     or input gradient to the stage before, a weights' gradient nothing."""
     if transfer_s is None:
-        return [0.0] * len(steps)
-    sent = {"F": transfer_s[0], "B": transfer_s[1], "I": transfer_s[1]}
-    return [sent[kind][stage] if kind in sent else 0.0 for kind, stage, *_ in steps]
+        return [0.0] * len(structure.codes)
+    forward, backward = list(transfer_s[0]), list(transfer_s[1])
+    # Laid out as the codes are: F, B, W (sends nothing), I.
+    return _per_step(structure, [*forward, *backward, *[0.0] * len(forward), *backward])
 
 
 def _plain_times(structure: _Structure, durations: list[float], pp: int, late_receive_s: float,
                  link_s: list[float]) -> tuple[list[float], list[float]]:
-    """Start and end of each step: when its device is free and its inputs have arrived."""
-    steps = structure.steps
-    end = [0.0] * (len(steps) + 1)  # end[-1]: "needs nothing", ready at 0
+    """Start and end of each step: when its device is free and its inputs have arrived
+    (pipec.cost.cores.arrival_s, written out here: this loop runs for every step of every
+    point the search times)."""
+    devices, firsts, seconds = structure.devices, structure.firsts, structure.seconds
+    end = [0.0] * len(durations)
     free = [0.0] * pp
-    for i, (_, _, _, device, first, second) in enumerate(steps):
-        arrived = max(arrival_s(steps, end, n, device, free[device], late_receive_s, link_s)
-                      for n in (first, second))
-        end[i] = free[device] = max(free[device], arrived) + durations[i]
-    end.pop()
+    for i, duration in enumerate(durations):
+        device = devices[i]
+        posted = ready = free[device]
+        for need in (firsts[i], seconds[i]):
+            if need < 0:
+                continue
+            arrived = end[need]
+            if devices[need] != device:
+                arrived = (arrived if arrived > posted else posted + late_receive_s) + link_s[need]
+            if arrived > ready:
+                ready = arrived
+        end[i] = free[device] = ready + duration
     return [e - d for e, d in zip(end, durations, strict=True)], end
 
 
 @dataclass(frozen=True)
 class _Structure:
     """What a schedule's timing does not change: the actions in an order where each comes after
-    the two actions it may wait for (indices; -1: none)."""
+    the two actions it may wait for, as columns. Per step: its kind, stage, micro-batch and
+    device, the two steps it needs (indices; -1: none), and its duration's place in simulate's
+    table [forwards, backwards, weights' gradients, input gradients], each one per stage."""
 
-    steps: tuple[tuple[str, int, int, int, int, int], ...]  # kind, stage, mb, device, needs
+    kinds: tuple[str, ...]
+    stages: tuple[int, ...]
+    micro_batches: tuple[int, ...]
+    devices: tuple[int, ...]
+    firsts: tuple[int, ...]
+    seconds: tuple[int, ...]
+    codes: tuple[int, ...]
+
+    @functools.cached_property
+    def steps(self) -> Steps:
+        """The same as rows (kind, stage, micro-batch, device, needs): pipec.cost.cores's form."""
+        return tuple(zip(self.kinds, self.stages, self.micro_batches, self.devices, self.firsts,
+                         self.seconds, strict=True))
 
 
 # Actions are numbered (stage · M + micro-batch) · 3 + their kind's code: a full backward and
 # the input's gradient share one, since the stage before waits for either.
 _CODES = {"F": 0, "B": 1, "I": 1, "W": 2}
-
-
-def _needs(kind: str, stage: int, k: int, stages: int, m: int) -> tuple[int, int]:
-    """The numbers of the (at most two) actions an action waits for; -1: none. A forward waits
-    for the stage before's; a backward (or input gradient) for its own forward and the stage
-    after's backward; a weights' gradient for its own input gradient."""
-    own = (stage * m + k) * 3
-    if kind == "F":
-        return (-1 if stage == 0 else ((stage - 1) * m + k) * 3, -1)
-    if kind == "W":
-        return (own + 1, -1)
-    return (own, -1 if stage == stages - 1 else ((stage + 1) * m + k) * 3 + 1)
+# Where each kind's durations sit in simulate's table of per-stage times.
+_TABLE = {"F": 0, "B": 1, "W": 2, "I": 3}
 
 
 @functools.lru_cache(maxsize=64)
 def _structure(schedule: str, pp: int, num_micro_batches: int, virtual: int) -> _Structure:
-    """Each device runs its order; a device blocked on an action not yet placed waits for it."""
+    """Each device runs its order; a device blocked on an action not yet placed waits for it.
+    An action waits for at most two others: a forward for the stage before's; a backward (or
+    input gradient) for its own forward and the stage after's backward; a weights' gradient
+    for its own input gradient."""
     orders = [action_order(schedule, d, pp, num_micro_batches, virtual) for d in range(pp)]
     stages, m = pp * virtual, num_micro_batches
+    stride, last = 3 * m, stages - 1  # from an action's number to the next stage's
     placed = [-1] * (3 * stages * m)  # action number → its step, once placed
-    steps: list[tuple[str, int, int, int, int, int]] = []
+    columns: tuple[list[Any], ...] = ([], [], [], [], [], [], [])
+    kinds, stage_of, micro_batch_of, devices, firsts, seconds, codes = columns
     position = [0] * pp
     runnable = collections.deque(range(pp))
     waiting: dict[int, list[int]] = {}
     while runnable:
         d = runnable.popleft()
-        order = orders[d]
-        while position[d] < len(order):
-            kind, s, k = order[position[d]]
-            first, second = _needs(kind, s, k, stages, m)
-            blocked = next((n for n in (first, second) if n >= 0 and placed[n] < 0), None)
-            if blocked is not None:
-                waiting.setdefault(blocked, []).append(d)
+        order, at = orders[d], position[d]
+        while at < len(order):
+            kind, s, k = order[at]
+            own = (s * m + k) * 3
+            if kind == "F":
+                first, second = (own - stride if s else -1), -1
+            elif kind == "W":
+                first, second = own + 1, -1
+            else:
+                first, second = own, (own + stride + 1 if s < last else -1)
+            missing_first = first >= 0 and placed[first] < 0
+            if missing_first or (second >= 0 and placed[second] < 0):
+                waiting.setdefault(first if missing_first else second, []).append(d)
                 break
-            number = (s * m + k) * 3 + _CODES[kind]
-            placed[number] = len(steps)
-            steps.append((kind, s, k, d, placed[first] if first >= 0 else -1,
-                          placed[second] if second >= 0 else -1))
-            position[d] += 1
-            runnable.extend(waiting.pop(number, ()))
+            number = own + _CODES[kind]
+            placed[number] = len(kinds)
+            kinds.append(kind)
+            stage_of.append(s)
+            micro_batch_of.append(k)
+            devices.append(d)
+            firsts.append(placed[first] if first >= 0 else -1)
+            seconds.append(placed[second] if second >= 0 else -1)
+            codes.append(_TABLE[kind] * stages + s)
+            at += 1
+            if number in waiting:
+                runnable.extend(waiting.pop(number))
+        position[d] = at
     if any(position[d] < len(orders[d]) for d in range(pp)):
         raise RuntimeError(f"schedule {schedule} deadlocks")  # a bug in action_order
-    return _Structure(tuple(steps))
+    return _Structure(*(tuple(column) for column in columns))
