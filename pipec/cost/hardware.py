@@ -118,6 +118,9 @@ class Device:
     # (pipec.calibration.allreduce_times); a group not listed takes the figures above, measured
     # on every process.
     replica_collectives: tuple[tuple[int, float, float, float], ...] = ()
+    # Streaming multiprocessors: a matrix product's output tiles run in waves of this many, and
+    # the last wave's idle ones are lost (pipec.cost.model.wave_efficiency). 0: not modelled.
+    compute_units: int = 0
 
 
 def for_replicas(device: Device, replicas: int) -> Device:
@@ -176,27 +179,30 @@ def cpu_has_bf16_kernels() -> bool:
 
 
 def _gpu(name: str, fp32: float, bf16: float, bandwidth_gbs: float, memory_gib: float,
-         link_gbs: float, hopper: bool = False) -> Device:
+         link_gbs: float, units: int, hopper: bool = False) -> Device:
     # Inter-node: one 200 Gb/s InfiniBand HDR port per device (25 GB/s), 5 µs; NVLink 2 µs.
     return Device(name, fp32 * TFLOPS, bf16 * TFLOPS, bandwidth_gbs * GB, memory_gib * GIB,
                   link_gbs * GB, 25 * GB, 2e-6, 5e-6, kernel_overhead_s=8e-6, efficiency=0.6,
                   process_bytes=_GPU_PROCESS_BYTES, runtime_bytes=2 * _CUBLAS_WORKSPACE[hopper],
                   fragmentation=_GPU_FRAGMENTATION, matmul_efficiency=_GPU_MATMUL_EFFICIENCY,
                   attention_efficiency=_GPU_ATTENTION_EFFICIENCY,
-                  communicator_bytes=_NCCL_PAIR_BYTES, group_communicator_bytes=_NCCL_GROUP_BYTES)
+                  communicator_bytes=_NCCL_PAIR_BYTES, group_communicator_bytes=_NCCL_GROUP_BYTES,
+                  compute_units=units)
 
 
+# The last argument: the chip's streaming multiprocessors (NVIDIA's whitepapers: V100 80,
+# A100 108, H100 and H200 SXM 132, L4 58, RTX 4090 128).
 PRESETS: dict[str, Device] = {
     # V100 SXM2 has no bf16: its fp16 tensor cores (125 TFLOP/s) stand in for mixed precision.
-    "v100-16g": _gpu("v100-16g", 15.7, 125.0, 900, 16, 150),
-    "v100-32g": _gpu("v100-32g", 15.7, 125.0, 900, 32, 150),
-    "a100-40g": _gpu("a100-40g", 19.5, 312.0, 1555, 40, 300),
-    "a100-80g": _gpu("a100-80g", 19.5, 312.0, 2039, 80, 300),
-    "h100-80g": _gpu("h100-80g", 67.0, 989.0, 3350, 80, 450, hopper=True),
-    "h200": _gpu("h200", 67.0, 989.0, 4800, 141, 450, hopper=True),
+    "v100-16g": _gpu("v100-16g", 15.7, 125.0, 900, 16, 150, 80),
+    "v100-32g": _gpu("v100-32g", 15.7, 125.0, 900, 32, 150, 80),
+    "a100-40g": _gpu("a100-40g", 19.5, 312.0, 1555, 40, 300, 108),
+    "a100-80g": _gpu("a100-80g", 19.5, 312.0, 2039, 80, 300, 108),
+    "h100-80g": _gpu("h100-80g", 67.0, 989.0, 3350, 80, 450, 132, hopper=True),
+    "h200": _gpu("h200", 67.0, 989.0, 4800, 141, 450, 132, hopper=True),
     # PCIe cards: no NVLink, stages talk over PCIe 4.0 x16 (32 GB/s one direction).
-    "l4": _gpu("l4", 30.3, 121.0, 300, 24, 32),
-    "rtx4090": _gpu("rtx4090", 82.6, 165.2, 1008, 24, 32),
+    "l4": _gpu("l4", 30.3, 121.0, 300, 24, 32, 58),
+    "rtx4090": _gpu("rtx4090", 82.6, 165.2, 1008, 24, 32, 128),
     # One CPU process talking gloo over loopback, measured on a 2-core AMD EPYC VM. Memory
     # (train.py --metrics, a 4-parameter model): each process holds 356 MiB before its model is
     # built, and the runtime allocates 0.9 MiB more while training. Links (benchmarks/links.py,

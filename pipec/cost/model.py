@@ -3,7 +3,8 @@ pipec.cost.stage_memory).
 
 Per node a roofline, ``max(flops / (peak · efficiency), bytes / bandwidth)``, plus a fixed
 per-kernel overhead (Megatron-LM's ``t(b)`` has the same shape: small micro-batches are
-inefficient).
+inefficient). On a GPU a matrix product's efficiency also falls with its wave quantization
+(``wave_efficiency``), which smaller products, a tensor-parallel rank's among them, pay more.
 A boundary costs ``tensors · latency + bytes / link bandwidth`` forward and the same again for the
 gradients: each tensor crossing it is a send of its own.
 """
@@ -18,7 +19,13 @@ import numpy as np
 
 from pipec.cost.hardware import Device
 from pipec.cost.kernel_cache import KernelRuns
-from pipec.frontend.costgraph import CostGraph, LossCost, NodeCost
+from pipec.frontend.costgraph import (
+    MEASURED_BATCHES,
+    CostGraph,
+    KernelCall,
+    LossCost,
+    NodeCost,
+)
 
 # Per fp32 parameter byte, what training keeps besides the weight itself: its gradient, the
 # optimizer state (SGD's momentum buffer; AdamW's two moments) and, under bf16 autocast, the
@@ -215,10 +222,58 @@ def node_efficiency(node: NodeCost, device: Device) -> float:
     return device.efficiency
 
 
+# The output tile of a GPU matrix product: cuBLAS's large bf16/TF32 kernels compute 128 × 128
+# (or larger) tiles, one per streaming multiprocessor at a time (NVIDIA, "Matrix Multiplication
+# Background User's Guide", tile and wave quantization).
+PRODUCT_TILE = 128
+
+
+def wave_efficiency(node: NodeCost, device: Device, micro_batch: int) -> float:
+    """The share of its streaming multiprocessors' time ``node``'s products use: a product of
+    t output tiles runs ⌈t / SMs⌉ waves, the last one partly idle (NVIDIA's wave
+    quantization). Weighted by each product's tiles; 1 where the device does not model it
+    (a CPU) or the node runs no product. The backward's products take the forward's figure
+    (their outputs have other shapes: an approximation)."""
+    if device.compute_units <= 0:
+        return 1.0
+    tiles = [_tiles(calls, micro_batch, node.product_split) for calls in node.kernels
+             if calls[0][0] == "matmul"]
+    if not tiles:
+        return 1.0
+    units = device.compute_units
+    return sum(tiles) / sum(math.ceil(t / units) * units for t in tiles)
+
+
+def _tiles(calls: tuple[KernelCall, KernelCall], micro_batch: int, split: int) -> int:
+    """One product's output tiles at ``micro_batch``, its (batch, rows, columns) read from its
+    calls at MEASURED_BATCHES and taken along the line through them; ``split``: tensor
+    parallelism divides its columns (or, for a batched product, its batch) that many ways."""
+    (b1, at_b1), (b2, at_b2) = zip(MEASURED_BATCHES, (_product_dims(c) for c in calls),
+                                   strict=True)
+    batch, rows, columns = (round(x + (y - x) * (micro_batch - b1) / (b2 - b1))
+                            for x, y in zip(at_b1, at_b2, strict=True))
+    if batch > 1:
+        batch = math.ceil(batch / split)
+    else:
+        columns = math.ceil(columns / split)
+    return max(batch, 1) * math.ceil(rows / PRODUCT_TILE) * math.ceil(columns / PRODUCT_TILE)
+
+
+def _product_dims(call: KernelCall) -> tuple[int, int, int]:
+    """(batch, rows, columns) of an mm/addmm/bmm/baddbmm call's output, from its arguments'
+    shapes (the last two are the factors; addmm and baddbmm put the bias first)."""
+    left, right = [a for a in call[1] if isinstance(a, tuple)][-2:]
+    if len(left) == 3:
+        return left[0], left[1], right[2]
+    return 1, left[0], right[1]
+
+
 def node_arrays(graph: CostGraph, device: Device, micro_batch: int, training: Training,
                 calibration: Calibration | None = None) -> NodeArrays:
     peak = device.bf16_flops if training.precision == "bf16" else device.fp32_flops
-    flops_rate = peak * np.array([node_efficiency(n, device) for n in graph.nodes])
+    flops_rate = peak * np.array([node_efficiency(n, device)
+                                  * wave_efficiency(n, device, micro_batch)
+                                  for n in graph.nodes])
     bf16 = training.precision == "bf16"
     fwd_flops = np.array([n.fwd_flops.at(micro_batch) for n in graph.nodes])
     bwd_flops = np.array([n.bwd_flops.at(micro_batch) for n in graph.nodes])

@@ -129,7 +129,8 @@ def _shard(node: NodeCost, tp: int, row_bias: int | None, column: bool,
     split = _split_work(node, tp)
     whole_output = row_bias is not None or gathered
     split = replace(split, output_bytes=node.output_bytes if whole_output
-                    else split.output_bytes, bf16=node.bf16 if column else split.bf16)
+                    else split.output_bytes, bf16=node.bf16 if column else split.bf16,
+                    product_split=1 if row_bias is not None else tp)
     return _weights(split, tp, whole=row_bias or 0)
 
 

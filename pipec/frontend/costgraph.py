@@ -78,6 +78,9 @@ class NodeCost:
     # node's forward and in its backward (pipec.cost.sharded_costs).
     tp_forward_bytes: Linear = Linear(0.0, 0.0)
     tp_backward_bytes: Linear = Linear(0.0, 0.0)
+    # Into how many parts tensor parallelism splits the output tiles of the node's products
+    # (a column-parallel linear's features, the heads of a product inside attention); 1: whole.
+    product_split: int = 1
 
 @dataclass(frozen=True)
 class LossCost:

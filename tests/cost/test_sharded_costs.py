@@ -13,7 +13,7 @@ import torch
 from conftest import SAMPLES
 from pipec.codegen.local_shards import local_weights
 from pipec.cost.hardware import load_hardware
-from pipec.cost.model import allreduce_s, tp_collectives_s
+from pipec.cost.model import allreduce_s, tp_collectives_s, wave_efficiency
 from pipec.cost.sharded_costs import shard_costs
 from pipec.frontend.loader import load_model_file
 from pipec.inspection import TpInspection, shardable_model
@@ -124,3 +124,32 @@ def test_a_tp_collective_waits_as_a_measured_blocking_all_reduce(gpt: TpInspecti
     drifting = dataclasses.replace(device, blocking_drift=0.01)
     later = tp_collectives_s(costs, drifting, 4, bf16=False, compute=compute)
     assert all((b[b > 0] > a[a > 0]).all() for a, b in zip(blocking, later, strict=True))
+
+
+def test_a_gpu_product_pays_its_last_waves_idle_multiprocessors(gpt: TpInspection) -> None:
+    """samples/gpt.py's MLP input linear at micro-batch 4: 4 · 32 rows × 256 features, 2 tiles
+    of 128 × 128 on 108 A100 multiprocessors: one wave, 2 of 108 busy; none on a CPU."""
+    fc = next(n for n in gpt.graph.nodes if n.name == "blocks_0_mlp_0")
+    assert wave_efficiency(fc, load_hardware("a100-80g"), 4) == pytest.approx(2 / 108)
+    assert wave_efficiency(fc, load_hardware("cpu"), 4) == 1.0
+    # 27 waves' worth of rows: 108 · 27 / 2 tiles of rows, 2 of columns, every unit busy
+    assert wave_efficiency(fc, load_hardware("a100-80g"), 27 * 108 * 128 // (2 * 32)) == 1.0
+
+
+def test_tensor_parallelism_divides_a_column_products_tiles_not_a_rows(
+        gpt: TpInspection) -> None:
+    costs = shard_costs(gpt.graph, gpt.shardable.regions, 2)
+    node = {n.name: n for n in costs.graph.nodes}
+    assert node["blocks_0_mlp_0"].product_split == 2
+    assert node["blocks_0_mlp_2"].product_split == 1  # row-parallel: its output is whole
+    a100 = load_hardware("a100-80g")
+    rows = 108 * 128 // 32  # a micro-batch of 108 row tiles: 216 tiles whole, 108 on a rank
+    assert wave_efficiency(gpt.graph.nodes[_index(gpt, "blocks_0_mlp_0")], a100, rows) == 1.0
+    assert wave_efficiency(node["blocks_0_mlp_0"], a100, rows) == 1.0
+    # 4 samples more: 109 row tiles, one past a wave, on the rank
+    assert wave_efficiency(node["blocks_0_mlp_0"], a100, rows + 4) == pytest.approx(
+        109 / 216)
+
+
+def _index(inspection: TpInspection, name: str) -> int:
+    return [n.name for n in inspection.graph.nodes].index(name)
