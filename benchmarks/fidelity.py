@@ -71,6 +71,8 @@ class Case:
     processes: int
     batch: int
     why: str
+    # pipec compile's flags for pipec's pick and its candidates (the baselines take none).
+    flags: tuple[str, ...] = ()
 
 
 CASES = (
@@ -85,6 +87,8 @@ CASES = (
     Case("deep-mlp", "benchmarks/models/deep_mlp.py", 2, 64, "where interleaving should win"),
     Case("gpt pp4", "samples/gpt.py", 4, 32, "the GPT sample on 4 processes"),
     Case("resnet pp4", "samples/resnet.py", 4, 64, "the ResNet sample on 4 processes"),
+    Case("gpt tp", "samples/gpt.py", 4, 32, "the GPT sample, tensor parallelism searched",
+         ("--tp", "auto")),
 )
 
 
@@ -119,7 +123,8 @@ class Entry:
         schedule = p["schedule"] + (f" v={p['virtual_stages']}" if p["virtual_stages"] > 1
                                     else "")
         sharded = "" if p.get("fsdp", "off") == "off" else f", FSDP {p['fsdp']}"
-        return f"{p['pp']}×{p['dp']}, m {p['micro_batch']}, {schedule}{sharded}"
+        tensor = f", tp {p['tp']}" if p.get("tp", 1) > 1 else ""
+        return f"{p['pp']}×{p['dp']}, m {p['micro_batch']}, {schedule}{sharded}{tensor}"
 
 
 def compile_case(case: Case, work: Path, candidates: int) -> list[Entry]:
@@ -136,21 +141,28 @@ def compile_case(case: Case, work: Path, candidates: int) -> list[Entry]:
         schedule = plan["schedule"] if plan["pp"] > 1 else "-"
         key = json.dumps([plan["pp"], plan["dp"], plan["micro_batch"], schedule,
                           plan["virtual_stages"], [s["nodes"] for s in plan["stages"]],
-                          plan["fsdp"], [s["recompute"] for s in plan["stages"]]])
+                          plan["fsdp"], [s["recompute"] for s in plan["stages"]],
+                          plan.get("tp", 1)])
         if key in entries:
             entries[key].roles.append(role)
         else:
             entries[key] = Entry([role], out, plan)
         return plan
 
-    pick = add("pipec", [])
+    pick = add("pipec", list(case.flags))
+    # The candidates are the picked tp degree's (--tp auto could pick another for them).
+    pinned = ["--tp", str(pick["tp"])] if "--tp" in case.flags else list(case.flags)
     following = next_candidates(pick, candidates)
     for rank, c in enumerate(following, start=2):
-        add(f"#{rank}", _flags(c))
+        add(f"#{rank}", [*pinned, *_flags(c)])
     # The fastest plan of every other pp × dp split the search evaluated: the runs before the
     # eleventh session never measured gpt pp4's 2 × 2 plan, which measured faster by hand.
     for c in other_layouts(pick, following):
-        add(f"best {c['pp']}×{c['dp']}", _flags(c))
+        add(f"best {c['pp']}×{c['dp']}", [*pinned, *_flags(c)])
+    # The fastest plan of each other tp degree --tp auto tried: their predictions measured too.
+    for tried in pick.get("tp_tried", []):
+        if tried["tp"] != pick.get("tp", 1) and tried["samples_per_s"] is not None:
+            add(f"tp {tried['tp']}", ["--tp", str(tried["tp"])])
     for baseline in BASELINES:
         add(baseline, ["--strategy", baseline])
     return list(entries.values())
