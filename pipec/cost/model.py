@@ -256,7 +256,8 @@ def _tiles(calls: tuple[KernelCall, KernelCall], micro_batch: int, split: int) -
         batch = math.ceil(batch / split)
     else:
         columns = math.ceil(columns / split)
-    return max(batch, 1) * math.ceil(rows / PRODUCT_TILE) * math.ceil(columns / PRODUCT_TILE)
+    return (max(batch, 1) * max(math.ceil(rows / PRODUCT_TILE), 1)
+            * max(math.ceil(columns / PRODUCT_TILE), 1))
 
 
 def _product_dims(call: KernelCall) -> tuple[int, int, int]:
