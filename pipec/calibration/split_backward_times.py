@@ -52,7 +52,9 @@ def _extra_s(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...], device: torch
 def _backward_s(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...], device: torch.device,
                 split: bool) -> float:
     cut = _CutAtFirstFloat(gm)
-    outputs = [t for t in flat_tensors(cut.run(*inputs)) if t.requires_grad]
+    # Copies, as a zero-bubble stage sends (stages.py's COPY_OUTPUTS): torch's split backward
+    # detaches the outputs in place, which a view (a model's reshaped logits) refuses.
+    outputs = [t.clone() for t in flat_tensors(cut.run(*inputs)) if t.requires_grad]
     gradients = [torch.ones_like(t) for t in outputs]
     weights = _reached_parameters(outputs) if split else []
     started = device_now(device)
