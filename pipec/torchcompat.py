@@ -153,7 +153,7 @@ def pipeline_backward(outputs: list[torch.Tensor], gradients: list[torch.Tensor]
         return
     weights = list(weights)
     groups = backward_input(outputs, gradients, inputs, weights)
-    _backward.stage_backward_weight(iter(weights), groups)
+    runtime_compat().weight_gradients(weights, groups)
 
 
 def backward_input(outputs: list[torch.Tensor], gradients: list[torch.Tensor],

@@ -21,11 +21,12 @@ from pipec.frontend.trace import batch_inputs, trace_model
 
 
 @pytest.mark.parametrize("model", [SAMPLES / "gpt.py", SAMPLES / "resnet.py",
-                                   MODELS / "manual_attention.py"])
+                                   MODELS / "manual_attention.py", MODELS / "shared_module.py"])
 def test_the_split_is_measured_at_the_smallest_and_the_largest_size(model: Path) -> None:
     # The GPT sample's input is token ids: the graph is cut at its first floating-point value.
     # The written-out attention's output is a view (its logits reshaped), which torch's split
-    # backward cannot detach in place.
+    # backward cannot detach in place. A module called twice has two groups of weights whose
+    # paths meet: torch's weight pass, freeing the graph after the first, fails in the second.
     spec = load_model_file(model)
     torch.manual_seed(0)
     gm = fx.symbolic_trace(spec.build_model()).train()
