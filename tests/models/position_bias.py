@@ -14,10 +14,11 @@ class PositionBiasNet(nn.Module):
         self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS))
         self.position_bias = nn.Embedding(CONTEXT, WIDTH)
         self.head = nn.Linear(WIDTH, 3)
+        self.register_buffer("positions", torch.arange(CONTEXT), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.relu(self.layers[1](torch.relu(self.layers[0](x))))
-        bias = self.position_bias(torch.arange(CONTEXT, device=x.device))
+        bias = self.position_bias(self.positions)
         for layer in self.layers[2:]:
             h = torch.relu(layer(h) + bias)
         return self.head(h.mean(1))
