@@ -3,14 +3,19 @@
 built with random weights from its config (no download), shrunk where the config allows (2
 layers, small widths) with its code paths unchanged, compiled for 2 stages (`--measure off`) and
 1, and trained 2 steps on 2 processes and on 1. A model passes when both train to the same
-losses (relative 1e-4); every other ends in a class: a clear pipec error (one line, exit 2), a
-traceback, a training failure, different losses, or a timeout.
+losses (relative 1e-4, `--rel-tol`); every other ends in a class: a clear pipec error (one line,
+exit 2), a traceback, a training failure, different losses, or a timeout. `--schedule zbv` runs
+the 2 stages as ZB-V (4 stages on 2 devices, the zero-bubble split backward) at micro-batch 2,
+4 micro-batches a step: the schedule where a stage's weights and inputs get their gradients
+apart.
 
 Run it where timm loads (torch 2.14.1 beside torchvision 0.29.1; `make test-torch` builds that
 venv), one model at a time (2 cores):
 
     OMP_NUM_THREADS=1 .venv-torch-2.14.1/bin/python benchmarks/zoo.py
     .venv-torch-2.14.1/bin/python benchmarks/zoo.py --only BertForMaskedLM ghostnet_100
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/zoo.py --suite huggingface --schedule zbv \
+        --rel-tol 1e-6 --out benchmarks/results/zoo-zbv.md
 """
 
 from __future__ import annotations
@@ -242,8 +247,23 @@ def timm_source(name: str) -> str:
     return timm_model(base, size, **kwargs)
 
 
-def run_one(suite: str, name: str, source: str, workdir: Path, timeout: float) -> Outcome:
+@dataclass(frozen=True)
+class Settings:
+    """How each model runs: the 2-stage plan's schedule, the loss tolerance, the time limit."""
+
+    schedule: str | None = None  # None: pipec's choice
+    rel_tol: float = 1e-4
+    timeout: float = 300.0
+
+    def pipeline_flags(self, gpus: int) -> list[str]:
+        if gpus == 1 or self.schedule is None:
+            return []
+        return ["--schedule", self.schedule, "--micro-batch", "2"]
+
+
+def run_one(suite: str, name: str, source: str, workdir: Path, settings: Settings) -> Outcome:
     started = time.perf_counter()
+    timeout = settings.timeout
     slug = re.sub(r"\W", "_", name)
     model = write(source, workdir, slug)
     losses = []
@@ -251,8 +271,8 @@ def run_one(suite: str, name: str, source: str, workdir: Path, timeout: float) -
         out = workdir / f"{slug}-{gpus}"
         compiled = _command([_tool("pipec"), "compile", str(model), "--gpus", str(gpus),
                              "--pp", str(gpus), "--hardware", "cpu", "--batch-size", "8",
-                             "--measure", "off", "--norm", "group", "-o", str(out), "--force"],
-                            timeout)
+                             "--measure", "off", "--norm", "group", "-o", str(out), "--force",
+                             *settings.pipeline_flags(gpus)], timeout)
         if compiled is None:
             return Outcome(suite, name, "timeout", "pipec compile", _since(started))
         if compiled.returncode:
@@ -266,7 +286,7 @@ def run_one(suite: str, name: str, source: str, workdir: Path, timeout: float) -
         losses.append([float(v) for v in re.findall(r"^step \d+ loss (\S+)", trained.stdout,
                                                     re.MULTILINE)])
     same = len(losses[0]) == 2 and all(
-        math.isclose(a, b, rel_tol=1e-4) for a, b in zip(*losses, strict=True))
+        math.isclose(a, b, rel_tol=settings.rel_tol) for a, b in zip(*losses, strict=True))
     detail = f"losses {losses[0]} and {losses[1]}"
     return Outcome(suite, name, "pass" if same else "losses", detail, _since(started))
 
@@ -302,11 +322,11 @@ def _since(started: float) -> float:
     return round(time.perf_counter() - started, 1)
 
 
-def cases(only: list[str]) -> list[tuple[str, str, str]]:
-    """(suite, name, model file source) for each model, or those ``only`` names."""
+def cases(only: list[str], suites: list[str]) -> list[tuple[str, str, str]]:
+    """(suite, name, model file source) for each model of ``suites``, or those ``only`` names."""
     everything = [("huggingface", name, f"{cls}:{task}") for name, cls, task in HUGGING_FACE]
     everything += [("timm", name, "") for name in TIMM]
-    return [c for c in everything if not only or c[1] in only]
+    return [c for c in everything if (not only or c[1] in only) and c[0] in suites]
 
 
 def source_of(suite: str, name: str, spec: str) -> str:
@@ -316,10 +336,12 @@ def source_of(suite: str, name: str, spec: str) -> str:
     return hugging_face_source(name, cls, task)
 
 
-def report(outcomes: list[Outcome]) -> str:
+def report(outcomes: list[Outcome], settings: Settings) -> str:
     lines = ["# Model zoo: PyTorch's compiler benchmark lists through pipec", "",
              "Written by `benchmarks/zoo.py` (its docstring says how each model is built and "
-             "judged).", ""]
+             f"judged): 2 stages under {settings.schedule or 'the schedule pipec picks'}, losses "
+             f"within relative "
+             f"{settings.rel_tol:g} of one process.", ""]
     for suite in ("huggingface", "timm"):
         mine = [o for o in outcomes if o.suite == suite]
         if mine:
@@ -335,20 +357,27 @@ def main() -> int:
     parser.add_argument("--only", nargs="*", default=[], help="model names from the lists")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per command")
     parser.add_argument("--out", type=Path, default=RESULTS / "zoo.md")
+    parser.add_argument("--suite", nargs="*", choices=("huggingface", "timm"),
+                        default=["huggingface", "timm"])
+    parser.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved", "zbv"),
+                        help="the 2-stage plan's schedule (default: pipec's choice)")
+    parser.add_argument("--rel-tol", type=float, default=1e-4,
+                        help="relative loss difference that still passes")
     args = parser.parse_args()
+    settings = Settings(args.schedule, args.rel_tol, args.timeout)
     outcomes = []
     with tempfile.TemporaryDirectory(prefix="pipec-zoo-") as workdir:
-        for suite, name, spec in cases(args.only):
+        for suite, name, spec in cases(args.only, args.suite):
             try:
                 source = source_of(suite, name, spec)
             except Exception as exc:  # the config cannot be shrunk: the benchmark's failure
                 outcome = Outcome(suite, name, "build", f"{type(exc).__name__}: {exc}"[:300], 0)
             else:
-                outcome = run_one(suite, name, source, Path(workdir), args.timeout)
+                outcome = run_one(suite, name, source, Path(workdir), settings)
             outcomes.append(outcome)
             print(f"{suite:12} {name:45} {outcome.result:9} {outcome.seconds:6.0f}s "
                   f"{outcome.detail[:120]}", flush=True)
-    args.out.write_text(report(outcomes))
+    args.out.write_text(report(outcomes, settings))
     args.out.with_suffix(".json").write_text(
         json.dumps([asdict(o) for o in outcomes], indent=1) + "\n")
     print(f"wrote {args.out}")
