@@ -339,9 +339,8 @@ def source_of(suite: str, name: str, spec: str) -> str:
 def report(outcomes: list[Outcome], settings: Settings) -> str:
     lines = ["# Model zoo: PyTorch's compiler benchmark lists through pipec", "",
              "Written by `benchmarks/zoo.py` (its docstring says how each model is built and "
-             f"judged): 2 stages under {settings.schedule or 'the schedule pipec picks'}, losses "
-             f"within relative "
-             f"{settings.rel_tol:g} of one process.", ""]
+             f"judged): 2 stages under {settings.schedule or 'the schedule pipec picks'}, "
+             f"losses within relative {settings.rel_tol:g} of one process.", ""]
     for suite in ("huggingface", "timm"):
         mine = [o for o in outcomes if o.suite == suite]
         if mine:

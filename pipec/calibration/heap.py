@@ -3,7 +3,9 @@ that pipec's measurements (the profile's passes, the runtime probe's forked proc
 pass in the heap the training's steps run in.
 
 glibc serves blocks of 256 KiB or more (MAPPED_BLOCK) with mappings of their own, given back
-to the OS when freed, and smaller ones from its heap, which it never trims. The large blocks are
+to the OS when freed, unless the heap's top has room for them: it is padded by HEAP_GROWTH, and
+glibc serves a block of any size from there. Smaller ones come from its heap, which it never
+trims. The large blocks are
 where training's memory goes (activations, logits, gradients); mapped, they hold no memory once
 freed, so the resident size follows what is allocated, as the plan counts it. In the heap they
 fragment it, and the resident size grows with the steps past the plan. The price is a page
