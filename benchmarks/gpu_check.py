@@ -11,6 +11,9 @@ Phases (each stands alone: a failure or a time-out is recorded and the next one 
 - ``two_ranks``: two ranks on one device. NCCL refuses two ranks on one GPU of one host; with a
   different ``NCCL_HOSTID`` per rank it treats them as two hosts: this phase says whether that
   works (all-reduce, send and receive), which the multi-rank phases below rely on.
+- ``runtime_probe``: the probe `pipec compile` runs where it plans 2 GPUs or more of this
+  machine (links, all-reduce, the pipelining runtime's time per action and per post), on 2 ranks
+  of this one GPU, beside the preset's figures.
 - ``communicators``: the memory a process holds outside the allocator: the CUDA context, and
   each further communicator (one per process group a rank uses).
 - ``measured``: ``pipec compile --measure auto`` on the device: the model timed here, the plan
@@ -142,6 +145,30 @@ def two_ranks(check: Check) -> None:
     probe.mkdir(exist_ok=True)
     (probe / "train.py").write_text(TWO_RANKS)  # takes no arguments: ignores --steps
     check.figures["ranks_ok"] = check.train(probe, 2).count(" ok")
+
+
+RUNTIME_PROBE = """
+import json, sys, torch
+from dataclasses import asdict
+from pipec.calibration.gpu_probe import probe_gpu_runtime
+from pipec.calibration.runtime_fit import runtime_action_fit
+from pipec.cost.hardware import load_hardware
+figures = probe_gpu_runtime(2, "cuda" if torch.cuda.is_available() else "cpu")
+preset = load_hardware(sys.argv[1])
+action, post = runtime_action_fit(figures)
+print(json.dumps({"measured": {**asdict(figures), "fitted_action_s": action, "fitted_post_s": post},
+                  "preset": {"intra_node_latency_s": preset.intra_node_latency_s,
+                             "intra_node_bandwidth": preset.intra_node_bandwidth,
+                             "allreduce_bandwidth": preset.allreduce_bandwidth}}))
+"""
+
+
+def runtime_probe(check: Check) -> None:
+    """The training runtime's probe that `pipec compile` runs on a machine of 2 GPUs or more
+    (pipec.calibration.gpu_probe), here on 2 ranks of one GPU: links, all-reduce, the
+    runtime's time per action and post, beside the preset's."""
+    printed = check.run([sys.executable, "-c", RUNTIME_PROBE, check.hardware])
+    check.figures.update(json.loads(printed.strip().splitlines()[-1]))
 
 
 COMMUNICATORS = """
@@ -284,7 +311,8 @@ def step_time(check: Check) -> None:
 
 
 PHASES: dict[str, Callable[[Check], None]] = {
-    "versions": versions, "two_ranks": two_ranks, "communicators": communicators,
+    "versions": versions, "two_ranks": two_ranks, "runtime_probe": runtime_probe,
+    "communicators": communicators,
     "measured": measured, "losses": losses,
     "memory": memory, "step_time": step_time}
 

@@ -1,6 +1,7 @@
-"""The pipelining runtime's own time, measured on this machine's CPU processes for
-pipec.calibration.probe: per forward or backward action, per step of each schedule, and what
-splitting a backward or recomputing selectively adds per autograd operation."""
+"""The pipelining runtime's own time, measured on this machine's processes for
+pipec.calibration.probe (CPU) and pipec.calibration.gpu_probe (a GPU each): per forward or
+backward action, per step of each schedule, and what splitting a backward or recomputing
+selectively adds per autograd operation."""
 
 from __future__ import annotations
 
@@ -13,29 +14,31 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipec.calibration.timers import median_in_turns, median_s
+from pipec.calibration.timers import median_in_turns, median_s, synchronized
 from pipec.torchcompat import pipeline_backward, runtime_compat
 
 MICRO_BATCHES = 16
 SCHEDULE_MICRO_BATCHES = 8
+CPU = torch.device("cpu")
 
 
-def action_overhead_s(rank: int) -> float:
-    """The pipelining runtime's own seconds per action, on ranks 0 and 1 (others: nan)."""
+def action_overhead_s(rank: int, device: torch.device = CPU) -> float:
+    """The pipelining runtime's own seconds per action, on ranks 0 and 1 (others: nan). On a
+    GPU, the host's seconds: what the runtime adds between two actions' kernel launches."""
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
     group = dist.new_group([0, 1])
     if rank > 1:
         return float("nan")
     torch.manual_seed(0)
-    layer = nn.Linear(4, 4)
-    stage = PipelineStage(layer, rank, 2, torch.device("cpu"), group=group)
+    layer = nn.Linear(4, 4, device=device)
+    stage = PipelineStage(layer, rank, 2, device, group=group)
     runtime_compat().prepare_stage(stage)
     schedule = ScheduleGPipe(stage, MICRO_BATCHES, loss_fn=lambda out, target: out.sum())
     busy = [0.0]
     for name in ("forward_one_chunk", "backward_one_chunk"):
         setattr(stage, name, _timed(getattr(stage, name), busy))
-    inputs = torch.ones(MICRO_BATCHES, 4)
+    inputs = torch.ones(MICRO_BATCHES, 4, device=device)
     for step in range(6):
         busy[0] = 0.0 if step == 1 else busy[0]  # the first step warms up
         schedule.step(*((inputs,) if rank == 0 else ()),
@@ -47,7 +50,7 @@ def action_overhead_s(rank: int) -> float:
 SCHEDULE_ROUNDS = 48
 
 
-def schedule_steps(rank: int) -> dict[str, float]:
+def schedule_steps(rank: int, device: torch.device = CPU) -> dict[str, float]:
     """Per schedule, the median step of a 4-wide linear layer per stage on ranks 0 and 1
     (others: empty), stages placed as the schedule places them. The schedules take turns, over
     SCHEDULE_ROUNDS rounds, so that the machine's drift lands on all alike: one step of 1F1B
@@ -57,7 +60,8 @@ def schedule_steps(rank: int) -> dict[str, float]:
     group = dist.new_group([0, 1])
     steps: dict[str, float] = {}
     if rank <= 1:
-        runs = {schedule: _pipeline_step(schedule, rank, group) for schedule in SCHEDULES}
+        runs = {schedule: synchronized(_pipeline_step(schedule, rank, group, device), device)
+                for schedule in SCHEDULES}
         steps = median_in_turns(runs, SCHEDULE_ROUNDS)
     # The other ranks wait here, holding no core: their next probes, computing beside these
     # steps, would slow them.
@@ -65,7 +69,8 @@ def schedule_steps(rank: int) -> dict[str, float]:
     return steps
 
 
-def _pipeline_step(schedule: str, rank: int, group: Any) -> Callable[[], None]:
+def _pipeline_step(schedule: str, rank: int, group: Any, device: torch.device
+                   ) -> Callable[[], None]:
     """One step of ``schedule``'s 2-device pipeline on this rank, ready to run."""
     from torch.distributed import pipelining
 
@@ -74,14 +79,14 @@ def _pipeline_step(schedule: str, rank: int, group: Any) -> Callable[[], None]:
     virtual = 1 if schedule in ("gpipe", "1f1b") else 2
     indices = [k for k in range(2 * virtual) if stage_device(schedule, k, 2) == rank]
     torch.manual_seed(0)
-    stages = [pipelining.PipelineStage(nn.Linear(4, 4), k, 2 * virtual, torch.device("cpu"),
+    stages = [pipelining.PipelineStage(nn.Linear(4, 4, device=device), k, 2 * virtual, device,
                                        group=group) for k in indices]
     for stage in stages:
         runtime_compat().prepare_stage(stage)
     runner = getattr(pipelining, SCHEDULE_CLASSES[schedule])(
         stages if virtual > 1 else stages[0], SCHEDULE_MICRO_BATCHES,
         loss_fn=lambda out, target: out.sum())
-    inputs = torch.ones(SCHEDULE_MICRO_BATCHES, 4)
+    inputs = torch.ones(SCHEDULE_MICRO_BATCHES, 4, device=device)
     last = stage_device(schedule, 2 * virtual - 1, 2) == rank
 
     def step() -> None:
@@ -160,7 +165,7 @@ def _timed(method: Callable[..., Any], busy: list[float]) -> Callable[..., Any]:
 
 def _plain_action_s(layer: nn.Module) -> float:
     """The layer's own forward and backward of one micro-batch, per action."""
-    x = torch.ones(1, 4, requires_grad=True)
+    x = torch.ones(1, 4, device=next(layer.parameters()).device, requires_grad=True)
 
     def forward_backward() -> None:
         layer(x).sum().backward()

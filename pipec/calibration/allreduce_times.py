@@ -24,9 +24,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipec.calibration.timers import mean_s, median_s
+from pipec.calibration.timers import mean_s, median_s, synchronized
 
 ALLREDUCE_BYTES = 4 * 1024 * 1024
+CPU = torch.device("cpu")
 # The data-parallel probe's models, (width, linear layers), 32 samples: gradients of 16 KiB
 # and 4 MiB in 8 tensors, then 14 KiB in 96. DDP's reducer does work for every gradient tensor
 # (its autograd hook marks each one ready): on a 2-core AMD EPYC VM, 96 tensors of 14 KiB cost
@@ -39,14 +40,16 @@ BLOCKING_BLOCKS = 4
 BLOCKING_CHANNELS = 16
 
 
-def allreduce_s() -> float:
-    tensor = torch.zeros(ALLREDUCE_BYTES // 4)
-    return median_s(lambda: dist.all_reduce(tensor), 8)
+def allreduce_s(device: torch.device = CPU, size: int = ALLREDUCE_BYTES) -> float:
+    """The median seconds of an all-reduce of ``size`` bytes over every process."""
+    tensor = torch.zeros(size // 4, device=device)
+    return median_s(synchronized(lambda: dist.all_reduce(tensor), device), 8)
 
 
-def step_s() -> float:
-    value = torch.zeros(1)
-    return median_s(lambda: dist.all_reduce(value), 20)
+def step_s(device: torch.device = CPU) -> float:
+    """The median seconds of an all-reduce of one value (train.py shares the loss each step)."""
+    value = torch.zeros(1, device=device)
+    return median_s(synchronized(lambda: dist.all_reduce(value), device), 20)
 
 
 def data_parallel_bytes(width: int, layers: int) -> int:

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from pipec.calibration.blocks import fitting_sizes, measuring_plan, profile_by_blocks
+from pipec.calibration.gpu_probe import probe_gpu_runtime
 from pipec.calibration.heap import set_training_heap
 from pipec.calibration.probe import RuntimeFigures, probe_runtime
 from pipec.calibration.profile import profile_model, profile_sizes
@@ -137,9 +138,12 @@ def _compute_times(model: Path, target: Target, graph: CostGraph | None = None
 
 
 def _runtime(target: Target, processes: int) -> RuntimeFigures | None:
-    """The training runtime's figures on this machine's CPU for ``processes`` processes (not
-    measured for one process, nor on GPUs yet), from the cache or measured now."""
-    if target.device_type != "cpu" or processes < 2:
+    """The training runtime's figures on this machine for ``processes`` processes, one GPU each
+    on a GPU machine (as many as it has, if fewer; not measured for one), from the cache or
+    measured now."""
+    if target.device_type == "cuda":
+        processes = min(processes, torch.cuda.device_count())
+    if processes < 2:
         return None
     fields = {"device": target.device_name, "threads": target.threads, "processes": processes,
               "torch": torch.__version__, "version": RUNTIME_CACHE_VERSION}
@@ -149,7 +153,8 @@ def _runtime(target: Target, processes: int) -> RuntimeFigures | None:
         return RuntimeFigures(**json.loads(path.read_text()))
     log.info("measuring the training runtime on this machine with %d processes, once", processes)
     try:
-        figures = probe_runtime(processes, target.threads)
+        figures = (probe_gpu_runtime(processes) if target.device_type == "cuda"
+                   else probe_runtime(processes, target.threads))
     except (RuntimeError, OSError) as exc:
         log.warning("could not measure the training runtime here (%s); using the preset's "
                     "links", exc)
@@ -163,6 +168,8 @@ def _runtime(target: Target, processes: int) -> RuntimeFigures | None:
 
 
 def _with_runtime(device: Device, runtime: RuntimeFigures) -> Device:
+    if runtime.device_type == "cuda":
+        return _with_gpu_runtime(device, runtime)
     collective, bandwidth, per_tensor = data_parallel_fit(runtime)
     blocking, drift = blocking_fit(runtime)
     action, post = runtime_action_fit(runtime)
@@ -183,6 +190,21 @@ def _with_runtime(device: Device, runtime: RuntimeFigures) -> Device:
                    # On a GPU the policy's host time runs ahead of the kernels (hidden).
                    selective_node_s=runtime.selective_node_s
                    if device.device_type == "cpu" else 0.0)
+
+
+def _with_gpu_runtime(device: Device, runtime: RuntimeFigures) -> Device:
+    """The GPU probe's figures in place of the preset's (pipec.calibration.gpu_probe): links,
+    all-reduce and the runtime's time per action, post and step. DDP's and a blocking
+    all-reduce's terms stay the preset's."""
+    action, post = runtime_action_fit(runtime)
+    return replace(device, intra_node_latency_s=runtime.latency_s,
+                   intra_node_bandwidth=runtime.bandwidth,
+                   allreduce_bandwidth=runtime.allreduce_bandwidth,
+                   action_overhead_s=runtime.action_overhead_s,
+                   step_overhead_s=runtime.step_overhead_s,
+                   schedule_action_s=tuple((schedule, action)
+                                           for schedule in sorted(runtime.schedule_step_s)),
+                   p2p_post_s=post)
 
 
 def training_threads(processes_per_node: int) -> int:

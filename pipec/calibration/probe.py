@@ -75,12 +75,13 @@ from pipec.calibration.allreduce_times import (
 from pipec.calibration.heap import set_training_heap
 from pipec.calibration.receive_times import chain_records, late_receive_s
 from pipec.calibration.relay import relayed_s, slowdowns
-from pipec.calibration.timers import mean_s, span_s
+from pipec.calibration.timers import device_now, mean_s, span_s
 
 log = logging.getLogger(__name__)
 
 LINK_SIZES = (4, 64 * 1024, 1024 * 1024, 4 * 1024 * 1024)
 TIMEOUT_S = 120  # a worker that fails or is killed must not hang the compile
+CPU = torch.device("cpu")
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,9 @@ class RuntimeFigures:
     # Per group of fewer replicas than processes (allreduce_times.replica_counts), as
     # ``data_parallel_s`` on that many processes while the others wait.
     group_data_parallel_s: tuple[tuple[int, tuple[tuple[float, float], ...]], ...] = ()
+    # "cuda" where measured on GPUs (pipec.calibration.gpu_probe): links, all-reduce and the
+    # runtime's time per action and step only; the fields above it leaves empty or 0.
+    device_type: str = "cpu"
 
 
 def probe_runtime(processes: int, threads: int) -> RuntimeFigures:
@@ -122,33 +126,41 @@ def probe_runtime(processes: int, threads: int) -> RuntimeFigures:
         return RuntimeFigures(1, 0.0, 0.0, 0.0, 0.0, 0.0, {}, 0.0,
                               ((0.0, 0.0),) * len(DATA_PARALLEL_SHAPES),
                               selective_node_s(), ())
-    context = mp.get_context("fork")
+    by_rank = run_workers("fork", _worker, processes, threads)
+    figures = _combine(processes, by_rank)
+    return replace(figures, relay_slowdowns=slowdowns([f["relay"] for f in by_rank]),
+                   late_receive_s=late_receive_s([f["receives"] for f in by_rank]))
+
+
+def run_workers(start: str, worker: Callable[..., None], processes: int, *args: Any
+                ) -> list[dict[str, Any]]:
+    """``worker(rank, processes, port, *args, results)`` in ``processes`` processes started by
+    ``start`` ("fork"; "spawn" once CUDA may have started here), each putting (rank, its
+    figures) or (rank, why it failed) on ``results``: the figures by rank, or RuntimeError."""
+    context = mp.get_context(start)
     results = context.Queue()
-    port = _free_port()
-    workers = [context.Process(target=_worker, args=(rank, processes, port, threads, results))
+    port = free_port()
+    workers = [context.Process(target=worker, args=(rank, processes, port, *args, results))
                for rank in range(processes)]
-    for worker in workers:
-        worker.start()
+    for process in workers:
+        process.start()
     try:
         received = [results.get(timeout=TIMEOUT_S) for _ in workers]
     except queue.Empty:
         raise RuntimeError(f"the runtime probe's workers did not answer in {TIMEOUT_S} s") \
             from None
     finally:
-        for worker in workers:
-            worker.join(timeout=5)
-            if worker.is_alive():
-                worker.terminate()
+        for process in workers:
+            process.join(timeout=5)
+            if process.is_alive():
+                process.terminate()
     failed = [f for _, f in received if isinstance(f, str)]
     if failed:
         raise RuntimeError(failed[0])
-    by_rank = [f for _, f in sorted(received, key=lambda rf: rf[0])]
-    figures = _combine(processes, by_rank)
-    return replace(figures, relay_slowdowns=slowdowns([f["relay"] for f in by_rank]),
-                   late_receive_s=late_receive_s([f["receives"] for f in by_rank]))
+    return [f for _, f in sorted(received, key=lambda rf: rf[0])]
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
@@ -160,7 +172,7 @@ def _worker(rank: int, world: int, port: int, threads: int, results: Any) -> Non
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=TIMEOUT_S))
-        figures = {"links": _links(rank),
+        figures = {"links": links_one_way(rank),
                    "action": action_overhead_s(rank), "schedules": schedule_steps(rank),
                    "split": split_backward_node_s(), "selective": selective_node_s(),
                    "allreduce": allreduce_s(), "step": step_s(),
@@ -252,11 +264,12 @@ def _until_stopped(run: Callable[[], object], stop: Any) -> float:
     return (whole[-1] - whole[0]) / (len(whole) - 1)
 
 
-def _links(rank: int) -> dict[int, float]:
+def links_one_way(rank: int, device: torch.device = CPU,
+                  sizes: tuple[int, ...] = LINK_SIZES) -> dict[int, float]:
     """One-way seconds per size between ranks 0 and 1 (half the median round trip)."""
     one_way = {}
-    for size in LINK_SIZES:
-        tensor = torch.zeros(size // 4)
+    for size in sizes:
+        tensor = torch.zeros(size // 4, device=device)
         trips = []
         for _ in range(12):
             dist.barrier()
@@ -267,13 +280,13 @@ def _links(rank: int) -> dict[int, float]:
             elif rank == 1:
                 dist.recv(tensor, 0)
                 dist.send(tensor, 0)
-            trips.append(time.perf_counter() - started)
+            trips.append(device_now(device) - started)
         one_way[size] = statistics.median(trips[2:]) / 2
     return one_way
 
 
 def _combine(processes: int, figures: list[dict[str, Any]]) -> RuntimeFigures:
-    latency, bandwidth = _fit_link(figures[0]["links"])
+    latency, bandwidth = fit_link(figures[0]["links"])
     action = statistics.median(f["action"] for f in figures[:2])
     allreduce = max(f["allreduce"] for f in figures)
     bus = 2 * (processes - 1) / processes * ALLREDUCE_BYTES / allreduce
@@ -299,7 +312,7 @@ def _compute_and_extra(steps: list[list[tuple[float, float]]]
                  for i in range(len(steps[0])))
 
 
-def _fit_link(one_way: dict[int, float]) -> tuple[float, float]:
+def fit_link(one_way: dict[int, float]) -> tuple[float, float]:
     """latency + bytes / bandwidth, least squares on relative errors."""
     sizes = np.array(sorted(one_way), dtype=float)
     seconds = np.array([one_way[int(s)] for s in sizes])

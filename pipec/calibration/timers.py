@@ -48,6 +48,16 @@ def span_s(run: Callable[[], object], repeats: int) -> float:
     return (time.perf_counter() - started) / repeats
 
 
+def synchronized(run: Callable[[], object], device: torch.device) -> Callable[[], None]:
+    """``run``, then a wait until ``device`` has finished it: a GPU's collectives and kernels
+    return to the host before they run, so a timer of ``run`` alone times only their launch."""
+    def run_and_wait() -> None:
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return run_and_wait
+
+
 def device_now(device: torch.device) -> float:
     """The clock once ``device`` has finished what was queued on it (a GPU runs behind)."""
     if device.type == "cuda":

@@ -23,11 +23,13 @@ def test_every_phase_of_the_device_check_passes_a_dry_run(tmp_path: Path) -> Non
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert result.returncode == 0, json.dumps(summary, indent=1)[-3000:]
     phases = summary["phases"]
-    assert list(phases) == ["versions", "two_ranks", "communicators", "measured", "losses",
-                            "memory", "step_time"]
+    assert list(phases) == ["versions", "two_ranks", "runtime_probe", "communicators",
+                            "measured", "losses", "memory", "step_time"]
     assert all(p["status"] == "passed" and (tmp_path / "out" / p["log"]).is_file()
                for p in phases.values())
     assert phases["two_ranks"]["figures"]["ranks_ok"] == 2
+    probed = phases["runtime_probe"]["figures"]["measured"]
+    assert probed["processes"] == 2 and probed["bandwidth"] > 0 and probed["schedule_step_s"]
     assert phases["losses"]["figures"]["within_1e-4"], phases["losses"]["figures"]
     assert len(phases["losses"]["figures"]["largest_relative_difference"]) == 6
     assert phases["measured"]["figures"]["node_times_measured"]

@@ -22,8 +22,8 @@ from pipec.calibration.allreduce_times import (
 )
 from pipec.calibration.probe import (
     RuntimeFigures,
-    _fit_link,
-    _free_port,
+    fit_link,
+    free_port,
     probe_runtime,
     side_by_side,
 )
@@ -87,7 +87,7 @@ def test_schedules_are_timed_in_turns_and_medians_skip_the_warm_up() -> None:
 def test_the_link_fit_recovers_latency_and_bandwidth() -> None:
     latency, bandwidth = 150e-6, 2e9
     one_way = {size: latency + size / bandwidth for size in (4, 65536, 2**20, 2**22)}
-    fitted = _fit_link(one_way)
+    fitted = fit_link(one_way)
     assert fitted[0] == pytest.approx(latency) and fitted[1] == pytest.approx(bandwidth)
 
 
@@ -169,7 +169,7 @@ def test_the_group_probe_measures_on_its_replicas_while_the_others_wait() -> Non
     assert replica_counts(4) == [2] and replica_counts(2) == [] and replica_counts(8) == [2, 4]
     context = mp.get_context("fork")
     results = context.Queue()
-    port = _free_port()
+    port = free_port()
     workers = [context.Process(target=_run_group_probe, args=(rank, port, results))
                for rank in range(4)]
     for worker in workers:
