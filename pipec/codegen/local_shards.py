@@ -13,6 +13,12 @@ rank, is added after it, and *gather* (forward an all-gather along the last dime
 the rank's slice) on each output the model returns split. A vocabulary-parallel embedding holds
 the rank's rows and is looked up by a function that gives zeros for the others' rows and all-
 reduces (Megatron-LM's VocabParallelEmbedding).
+
+A region's random numbers (dropout of attention probabilities or of an MLP's hidden features)
+fall on the rank's own heads or features, so each rank must draw its own: each such node runs
+between *own_random* and *shared_random*, which switch to a stream of the rank's and back
+(Megatron-LM's tensor-parallel random stream, Shoeybi et al., 2019, §3). Outside the regions
+every rank draws alike, and its whole tensors stay equal.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-from torch import fx
+from torch import fx, nn
 
 from pipec.frontend.shardable import Region, ShapeRewrite, VocabularyEmbedding
 
@@ -53,6 +59,11 @@ class Collectives:
     # A vocabulary-parallel lookup: (indices, the rank's rows, padding index or None), the
     # rows other ranks hold as zeros, all-reduced.
     embedding: Callable[..., torch.Tensor] | None = None
+    # Around each node of a region that draws random numbers: before it, on its first input,
+    # the switch to the rank's own stream; after it, on its output, the switch back. Each
+    # returns its argument. None: every rank draws alike.
+    own_random: Callable[[Any], Any] | None = None
+    shared_random: Callable[[Any], Any] | None = None
 
 
 def parallel_graph(gm: fx.GraphModule, regions: Sequence[Region], tp: int,
@@ -73,9 +84,41 @@ def parallel_graph(gm: fx.GraphModule, regions: Sequence[Region], tp: int,
             _reduce(local, nodes[name], collectives.reduce)
         for name in region.gathered:
             _after(graph, nodes[name], collectives.gather)
+        if collectives.own_random is not None and collectives.shared_random is not None:
+            for node in (nodes[n] for n in region.nodes if _draws_random(local, nodes[n])):
+                _own_random(graph, node, collectives.own_random, collectives.shared_random)
     graph.lint()
     local.recompile()
     return local
+
+
+# Modules and functions that draw random numbers (scaled_dot_product_attention: its dropout_p).
+_RANDOM_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
+                   nn.FeatureAlphaDropout)
+_RANDOM_NAMES = ("dropout", "bernoulli", "rand", "scaled_dot_product")
+
+
+def _draws_random(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether ``node`` may draw random numbers: a dropout module, or a function or method
+    (torch's or aten's) whose name says so."""
+    if node.op == "call_module":
+        return isinstance(gm.get_submodule(str(node.target)), _RANDOM_MODULES)
+    if node.op not in ("call_function", "call_method"):
+        return False
+    name = str(node.target) if node.op == "call_method" else \
+        getattr(node.target, "__name__", str(node.target))
+    return any(word in name for word in _RANDOM_NAMES)
+
+
+def _own_random(graph: fx.Graph, node: fx.Node, own: Callable[[Any], Any],
+                shared: Callable[[Any], Any]) -> None:
+    """``node`` run on the rank's own random stream: ``own`` on its first input before it,
+    ``shared`` on its output after it (each returns its argument, so the graph orders them)."""
+    first = node.args[0]
+    with graph.inserting_before(node):
+        switched = graph.call_function(own, (first,))
+    node.args = (switched, *node.args[1:])
+    _after(graph, node, shared)
 
 
 def _vocabulary_parallel(gm: fx.GraphModule, node: fx.Node,
@@ -237,4 +280,5 @@ def _stand_in(name: str) -> Callable[..., torch.Tensor]:
 
 # The collectives the emitted stages call (pipec.codegen.split): tensor_parallel.py's.
 EMITTED_COLLECTIVES = Collectives(_stand_in("enter"), _stand_in("reduce"), _stand_in("gather"),
-                                  _stand_in("vocabulary_embedding"))
+                                  _stand_in("vocabulary_embedding"), _stand_in("own_random"),
+                                  _stand_in("shared_random"))

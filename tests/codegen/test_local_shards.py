@@ -137,3 +137,25 @@ def test_a_training_step_over_gloo_gives_the_whole_models_gradients(model: Path,
     for rank in range(tp):
         loss_gap, gradient_gap = map(float, (tmp_path / f"report.{rank}").read_text().split())
         assert loss_gap < 1e-5 and gradient_gap < 1e-5, (rank, loss_gap, gradient_gap)
+
+
+def test_a_regions_random_nodes_run_on_the_ranks_own_stream() -> None:
+    """Each node of a region that may draw random numbers (attention's dropout_p, a dropout
+    module) runs between own_random and shared_random; the dropout outside the region does
+    not."""
+    def own(value: Any) -> Any:
+        return value
+
+    def shared(value: Any) -> Any:
+        return value
+
+    collectives = Collectives(enter, reduce, gather, None, own, shared)
+    for model, wrapped in ((SAMPLES / "gpt.py", "scaled_dot_product_attention"),
+                           (MODELS / "dropout_mlp.py", "2")):
+        gm, shardable, _ = traced(model)
+        graph = parallel_graph(gm, shardable.regions_at(2), 2, collectives).graph
+        around = [(n.args[0].args[0], n.args[0].target) for n in graph.nodes
+                  if n.target is shared]  # (own_random's node, the random node)
+        assert around and all(before.target is own for before, _ in around)
+        assert {getattr(t, "__name__", t) for _, t in around} == {wrapped}
+        assert len(around) == (4 if wrapped != "2" else 1)

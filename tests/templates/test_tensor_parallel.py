@@ -4,14 +4,17 @@ run resumes across tp degrees; the user's mistakes are clear errors."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from conftest import (
@@ -111,6 +114,46 @@ def test_recomputation_under_tp_trains_like_one_process(recompute: str, one_proc
     # leave it as it was, for the recomputed forward.
     losses = train(SAMPLES / "gpt.py", tmp_path / "tp", 2, tp="2", pp=1, recompute=recompute)
     assert_same_losses(losses, losses_of(one_process))
+
+
+def emitted_tensor_parallel(out: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location("emitted_tensor_parallel",
+                                                  out / "tensor_parallel.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_regions_dropout_draws_per_rank_and_the_rest_alike(tmp_path: Path) -> None:
+    """The region's hidden features are the rank's part: its dropout mask must be its own
+    (the same on both ranks would tie feature i to feature i + 32). What is drawn after it,
+    outside the regions, is the same on every rank; drawn again from the same state (as
+    recomputation does), the mask is the same."""
+    compile_to(MODELS / "dropout_mlp.py", tmp_path, gpus=2, pp=1, tp="2", batch_size=16)
+    tensor_parallel = emitted_tensor_parallel(tmp_path)
+
+    def draw(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        tensor_parallel.RANK = rank
+        torch.manual_seed(5)
+        masked = torch.nn.functional.dropout(tensor_parallel.own_random(torch.ones(512)), 0.5)
+        return tensor_parallel.shared_random(masked), torch.rand(8)
+
+    (mask0, after0), (mask1, after1), (again, _) = draw(0), draw(1), draw(0)
+    assert not torch.equal(mask0, mask1) and torch.equal(mask0, again)
+    assert torch.equal(after0, after1)
+    stages = (tmp_path / "stages.py").read_text()
+    assert stages.count("tensor_parallel.own_random(") == 1  # the region's dropout, not the other
+
+
+@pytest.mark.parametrize("recompute", ["full", "selective"])
+def test_dropout_under_tp_recomputes_the_masks_it_drew(recompute: str, tmp_path: Path) -> None:
+    """Recomputing replays each dropout, in the region (the rank's stream) and outside it:
+    the losses of a tp plan with dropout are the same recomputed or not."""
+    dropout = MODELS / "dropout_mlp.py"
+    kept = train(dropout, tmp_path / "kept", 2, tp="2", pp=1, recompute="none")
+    recomputed = train(dropout, tmp_path / "recomputed", 2, tp="2", pp=1, recompute=recompute)
+    assert len(set(kept)) > 1 and recomputed == kept
 
 
 def test_bf16_autocast_under_tp_trains_close_to_one_process(tmp_path: Path) -> None:
