@@ -7,7 +7,15 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from pipec.calibration import MEASURE_CHOICES, measure_locally
-from pipec.codegen import Emitted, emit, export_stages, require_onnx, split
+from pipec.codegen import (
+    Emitted,
+    SequenceParallelError,
+    emit,
+    export_stages,
+    require_onnx,
+    sequence_split,
+    split,
+)
 from pipec.cost import Device, Training, load_calibration, load_devices
 from pipec.cost.hardware import DEFAULT
 from pipec.errors import ConfigError
@@ -23,7 +31,13 @@ from pipec.frontend import (
 from pipec.frontend.normalization import with_functional_group_norms
 from pipec.frontend.shardable import Shardable, find_shardable
 from pipec.planning import Plan, PlanRequest, check, check_request, plan
-from pipec.planning.tp_search import plan_at, plan_with_tp, tp_degrees, tp_groups
+from pipec.planning.tp_search import (
+    SequenceSplit,
+    plan_at,
+    plan_with_tp,
+    tp_degrees,
+    tp_groups,
+)
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +71,7 @@ class CompileOptions:
     margin: float | None = None  # a fraction; None: the time model's measured error
     frontend: str = "auto"
     tp: str = "1"  # tensor-parallel ranks per stage replica: a positive integer, or "auto"
+    sequence_parallel: str = "auto"  # under tp: "auto" (where the model allows) or "off"
     onnx: bool = False
     force: bool = False
 
@@ -118,7 +133,7 @@ def _bind_calibration(request: PlanRequest, graph: CostGraph) -> PlanRequest:
 def compile_model(options: CompileOptions) -> tuple[Plan, Emitted]:
     analyzed = analyze(options)
     spec, traced, graph = analyzed.spec, analyzed.traced, analyzed.graph
-    chosen, sharded = _plan_tp(analyzed, options.tp)
+    chosen, sharded = _plan_tp(analyzed, options.tp, options.sequence_parallel)
     norms = plan_norms(traced, graph, plan=chosen, choice=options.norm, groups=options.norm_groups)
     rewritten = with_functional_group_norms(traced.graph_module, norms.rewrites)
     staged = split(replace(traced, graph_module=rewritten), graph, chosen,
@@ -131,19 +146,22 @@ def compile_model(options: CompileOptions) -> tuple[Plan, Emitted]:
     return chosen, emitted
 
 
-def _plan_tp(analyzed: Analyzed, tp: str) -> tuple[Plan, Shardable]:
+def _plan_tp(analyzed: Analyzed, tp: str, sequence_parallel: str = "auto"
+             ) -> tuple[Plan, Shardable]:
     """The plan, and what its tp ranks shard (nothing at tp 1): at ``tp`` ranks, or the
-    fastest degree (``auto``) the node's devices and the regions allow. The emitted script
-    has no sequence parallelism (yet): it is planned without."""
+    fastest degree (``auto``) the node's devices and the regions allow; split along the
+    sequence between the regions unless ``sequence_parallel`` is off."""
     degree, nothing = tp_option(tp), Shardable((), (), ())
     if degree == 1:
         return plan(analyzed.graph, analyzed.request), nothing
     graph, request = analyzed.graph, _per_rank_request(analyzed.request)
     shardable = find_shardable(analyzed.traced.graph_module,
                                {v.name: v.shape_high for v in graph.values})
+    def split(degree: int) -> SequenceSplit:
+        return sequence_parallel != "off" and _sequence_split(analyzed, shardable, degree)
+
     if degree is None:
-        found = plan_with_tp(graph, shardable, request, tp_degrees(shardable, request),
-                             sequence_parallel=False)
+        found = plan_with_tp(graph, shardable, request, tp_degrees(shardable, request), split)
         if found.tp == 1:
             # Chosen on the same footing as the other degrees; planned again with the
             # model's measured node times, which only a whole-model plan may use.
@@ -151,11 +169,26 @@ def _plan_tp(analyzed: Analyzed, tp: str) -> tuple[Plan, Shardable]:
         degree, chosen = found.tp, replace(found.plan, tp_tried=found.tried)
     else:
         _check_regions(shardable, degree)
-        chosen = plan_at(graph, shardable, request, degree, sequence_parallel=False)
+        chosen = plan_at(graph, shardable, request, degree, split(degree))
     log.info("tensor parallelism: %d rank(s) per stage replica, %d region(s) and %d "
-             "embedding(s) sharded", degree, len(shardable.regions_at(degree)),
-             len(shardable.vocabulary_at(degree)))
+             "embedding(s) sharded%s", degree, len(shardable.regions_at(degree)),
+             len(shardable.vocabulary_at(degree)),
+             ", sequence parallel between them" if chosen.sequence_parallel else "")
     return chosen, shardable
+
+
+def _sequence_split(analyzed: Analyzed, shardable: Shardable, degree: int) -> SequenceSplit:
+    """The nodes a tp rank of ``degree`` runs on its part of the sequence; False where the
+    model's sequence does not split (then planned without, and the log says why)."""
+    try:
+        split = sequence_split(analyzed.traced.graph_module,
+                               {v.name: v.shape_high for v in analyzed.graph.values},
+                               shardable.regions_at(degree), shardable.vocabulary_at(degree),
+                               degree)
+    except SequenceParallelError as exc:
+        log.info("no sequence parallelism at tp %d: %s", degree, exc)
+        return False
+    return split or False
 
 
 def tp_option(tp: str) -> int | None:

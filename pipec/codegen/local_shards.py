@@ -34,8 +34,9 @@ from torch import fx, nn
 
 from pipec.frontend.shardable import Region, ShapeRewrite, VocabularyEmbedding
 
-__all__ = ["EMITTED_COLLECTIVES", "Collectives", "TensorShard", "local_weights",
-           "parallel_graph", "stage_embeddings", "stage_regions", "tensor_shards"]
+__all__ = ["EMITTED_COLLECTIVES", "Collectives", "TensorShard", "draws_random", "local_weights",
+           "own_random_around", "parallel_graph", "stage_embeddings", "stage_regions",
+           "stand_in", "tensor_shards"]
 
 
 def _local_graph(gm: fx.GraphModule, regions: Sequence[Region], tp: int) -> fx.GraphModule:
@@ -85,8 +86,8 @@ def parallel_graph(gm: fx.GraphModule, regions: Sequence[Region], tp: int,
         for name in region.gathered:
             _after(graph, nodes[name], collectives.gather)
         if collectives.own_random is not None and collectives.shared_random is not None:
-            for node in (nodes[n] for n in region.nodes if _draws_random(local, nodes[n])):
-                _own_random(graph, node, collectives.own_random, collectives.shared_random)
+            for node in (nodes[n] for n in region.nodes if draws_random(local, nodes[n])):
+                own_random_around(graph, node, collectives.own_random, collectives.shared_random)
     graph.lint()
     local.recompile()
     return local
@@ -98,7 +99,7 @@ _RANDOM_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.Alph
 _RANDOM_NAMES = ("dropout", "bernoulli", "rand", "scaled_dot_product")
 
 
-def _draws_random(gm: fx.GraphModule, node: fx.Node) -> bool:
+def draws_random(gm: fx.GraphModule, node: fx.Node) -> bool:
     """Whether ``node`` may draw random numbers: a dropout module, or a function or method
     (torch's or aten's) whose name says so."""
     if node.op == "call_module":
@@ -110,7 +111,7 @@ def _draws_random(gm: fx.GraphModule, node: fx.Node) -> bool:
     return any(word in name for word in _RANDOM_NAMES)
 
 
-def _own_random(graph: fx.Graph, node: fx.Node, own: Callable[[Any], Any],
+def own_random_around(graph: fx.Graph, node: fx.Node, own: Callable[[Any], Any],
                 shared: Callable[[Any], Any]) -> None:
     """``node`` run on the rank's own random stream: ``own`` on its first input before it,
     ``shared`` on its output after it (each returns its argument, so the graph orders them)."""
@@ -268,7 +269,7 @@ def stage_regions(regions: Sequence[Region], names: Mapping[str, str]) -> tuple[
         row_nodes=tuple(names[n] for n in r.row_nodes)) for r in inside)
 
 
-def _stand_in(name: str) -> Callable[..., torch.Tensor]:
+def stand_in(name: str) -> Callable[..., torch.Tensor]:
     """A collective the emitted tensor_parallel.py defines, under the name the emitted stages
     import from there."""
     def collective(*values: Any) -> torch.Tensor:
@@ -279,6 +280,6 @@ def _stand_in(name: str) -> Callable[..., torch.Tensor]:
 
 
 # The collectives the emitted stages call (pipec.codegen.split): tensor_parallel.py's.
-EMITTED_COLLECTIVES = Collectives(_stand_in("enter"), _stand_in("reduce"), _stand_in("gather"),
-                                  _stand_in("vocabulary_embedding"), _stand_in("own_random"),
-                                  _stand_in("shared_random"))
+EMITTED_COLLECTIVES = Collectives(stand_in("enter"), stand_in("reduce"), stand_in("gather"),
+                                  stand_in("vocabulary_embedding"), stand_in("own_random"),
+                                  stand_in("shared_random"))

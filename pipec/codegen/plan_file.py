@@ -78,6 +78,8 @@ def plan_dict(plan: Plan, norms: NormPlan, traced: Traced) -> dict[str, Any]:
         "mesh": (["pp", "dp"] if plan.replicas_inner else ["dp", "pp"])
         + (["tp"] if plan.tp > 1 else []),
         "tp": plan.tp,  # tensor-parallel ranks per stage replica (tp innermost in the mesh)
+        # The nodes between tp regions split along the sequence (Megatron-LM's).
+        "sequence_parallel": plan.sequence_parallel,
         # --tp auto: each degree tried, its predicted samples/s (null: nothing fits).
         "tp_tried": [{"tp": tp, "samples_per_s": rate} for tp, rate in plan.tp_tried],
         "recompute": request.recompute,  # asked for; each stage's choice is under "stages"

@@ -14,7 +14,7 @@ import inspect
 import math
 import re
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -31,6 +31,7 @@ from pipec.codegen.local_shards import (
     stage_regions,
     tensor_shards,
 )
+from pipec.codegen.sequence_parallel import EMITTED_SEQUENCE, sequence_parallel_graph
 from pipec.errors import TraceError
 from pipec.frontend.annotate import COMPUTE_OPS, CostGraph
 from pipec.frontend.inplace import overwritten_inputs, storage_roots, written
@@ -108,10 +109,11 @@ def split(traced: Traced, graph: CostGraph, plan: Plan, user_module: str,
         stage_graph, paths, names = _stage_graph(gm, nodes, inputs, outputs, copied,
                                                  rederivable_sizes(compute))
         if regions or embeddings:
-            stage_graph = parallel_graph(fx.GraphModule(gm, stage_graph),
-                                         stage_regions(regions, names), plan.tp,
-                                         EMITTED_COLLECTIVES,
-                                         stage_embeddings(embeddings, names)).graph
+            # By the stage's names: its nodes, and its inputs (placeholders of their own names).
+            shapes = {names.get(v.name, v.name): v.shape_high for v in graph.values
+                      if v.name in names or v.name in inputs}
+            stage_graph = _tp_rank_graph(gm, stage_graph, plan, stage_regions(regions, names),
+                                         stage_embeddings(embeddings, names), shapes)
         source, lines = _stage_source(stage_graph.python_code(root_module="self"), user_module)
         imports.update(dict.fromkeys(lines))
         codes.append(StageCode(
@@ -121,6 +123,19 @@ def split(traced: Traced, graph: CostGraph, plan: Plan, user_module: str,
     shards = tensor_shards({k: v.shape for k, v in gm.state_dict().items()}, regions,
                            embeddings) if regions or embeddings else ()
     return Staged(tuple(codes), tuple(sorted(imports)), tied_parameters(gm, codes), shards)
+
+
+def _tp_rank_graph(gm: fx.GraphModule, stage_graph: fx.Graph, plan: Plan,
+                   regions: Sequence[Region], embeddings: Sequence[VocabularyEmbedding],
+                   shapes: Mapping[str, tuple[int, ...]]) -> fx.Graph:
+    """A stage's graph as one tp rank runs it, split along the sequence between its regions
+    where the plan says so."""
+    local = parallel_graph(fx.GraphModule(gm, stage_graph), regions, plan.tp,
+                           EMITTED_COLLECTIVES, embeddings)
+    if plan.sequence_parallel:
+        local = sequence_parallel_graph(local, shapes, plan.tp, EMITTED_COLLECTIVES,
+                                        EMITTED_SEQUENCE)
+    return local.graph
 
 
 def _is_float(dtype: str) -> bool:

@@ -16,13 +16,14 @@ Nodes outside the regions (norms, residual adds, dropout) are replicated: every 
 whole, unless ``sequence_parallel``: then each rank runs them on 1/tp of the sequence, and each
 all-reduce becomes a reduce-scatter after the row-parallel linear and an all-gather before the
 column-parallel ones, which move the same bytes (Korthikanti et al., 2022, §4.2.2). Their
-FLOPs, saved activations and outputs, and the values crossing stage boundaries, are then 1/tp;
-the loss still sees the gathered logits.
+FLOPs, saved activations and outputs are then 1/tp; the values crossing stage boundaries stay
+whole (the emitted stages gather their split outputs: pipec.codegen.sequence_parallel), and the
+loss still sees the gathered logits.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from pipec.frontend.costgraph import CostGraph, Linear, NodeCost
@@ -45,10 +46,11 @@ class TpCosts:
 
 
 def shard_costs(graph: CostGraph, regions: Sequence[Region], tp: int,
-                embeddings: Sequence[str] = (), sequence_parallel: bool = False) -> TpCosts:
+                embeddings: Sequence[str] = (),
+                sequence_parallel: bool | Collection[str] = False) -> TpCosts:
     """One rank's costs when ``regions`` (those that allow ``tp``) and ``embeddings`` (their
-    nodes) shard over ``tp`` ranks, the rest of the graph along the sequence under
-    ``sequence_parallel``."""
+    nodes) shard over ``tp`` ranks, and ``sequence_parallel``'s nodes along the sequence (True:
+    every other node, the most it could give)."""
     if any(not r.allows(tp) for r in regions):
         raise ValueError(f"a region does not shard over {tp} ranks")
     if tp == 1:
@@ -61,30 +63,26 @@ def shard_costs(graph: CostGraph, regions: Sequence[Region], tp: int,
     outputs = {n.name: n.output_bytes for n in graph.nodes}
     backward = {r.column_nodes[0]: _total(outputs.get(v, _NONE) for v in r.inputs)
                 for r in regions}
+    entered = {v for r in regions for v in r.inputs}
     nodes = []
     for n in graph.nodes:
         forward = _forward_bytes(n, n.name in rows or n.name in embeddings, n.name in gathered)
         if n.name in inside:
             n = _shard(n, tp, rows.get(n.name), n.name in columns, n.name in gathered)
+            if sequence_parallel and n.name in backward:
+                n = _keeps_gathered_input(n, backward[n.name])
         elif n.name in embeddings:
             n = _weights(n, tp)
-        elif sequence_parallel:
+        elif sequence_parallel is True or (sequence_parallel and n.name in sequence_parallel):
             n = _split_work(n, tp)
+            if n.name in entered:
+                n = _output_not_kept(n)
         nodes.append(replace(n, tp_forward_bytes=forward,
                              tp_backward_bytes=backward.get(n.name, _NONE)))
     split = inside - set(rows) - gathered  # whole after their all-reduce or all-gather
     legal = tuple(ok and not (i < len(graph.live) and split & set(graph.live[i]))
                   for i, ok in enumerate(graph.legal_cuts))
-    sharded = replace(graph, nodes=tuple(nodes), legal_cuts=legal, tp=tp)
-    if sequence_parallel:
-        def cuts(values: tuple[Linear, ...]) -> tuple[Linear, ...]:
-            return tuple(_split(b, tp) for b in values)
-
-        sharded = replace(sharded, cut_bytes=cuts(graph.cut_bytes),
-                          held_cut_bytes=cuts(graph.held_cut_bytes),
-                          cut_bytes_bf16=cuts(graph.cut_bytes_bf16),
-                          held_cut_bytes_bf16=cuts(graph.held_cut_bytes_bf16))
-    return TpCosts(tp, sharded)
+    return TpCosts(tp, replace(graph, nodes=tuple(nodes), legal_cuts=legal, tp=tp))
 
 
 def _split(quantity: Linear, tp: int) -> Linear:
@@ -101,6 +99,25 @@ def _split_work(node: NodeCost, tp: int) -> NodeCost:
                    saved_bytes=_split(node.saved_bytes, tp),
                    working_bytes=_split(node.working_bytes, tp),
                    selective_bytes=_split(node.selective_bytes, tp))
+
+
+def _output_not_kept(node: NodeCost) -> NodeCost:
+    """A split node whose output only a region reads: the region keeps the sequence gathered
+    from it (counted at its first column linear), and nothing keeps the part itself."""
+    kept = Linear(max(node.saved_bytes.fixed - node.output_bytes.fixed, 0.0),
+                  max(node.saved_bytes.per_sample - node.output_bytes.per_sample, 0.0))
+    return replace(node, saved_bytes=kept)
+
+
+def _keeps_gathered_input(column: NodeCost, whole_input: Linear) -> NodeCost:
+    """A region's first column linear under sequence parallelism: its input is the sequence
+    all-gathered on entry, a whole copy it keeps for its weights' gradient (in fp32; under bf16
+    it keeps autocast's bf16 copy, already counted, and the fp32 gather is freed)."""
+    bf16 = column.bf16 if column.bf16.saved_bytes is not None else replace(
+        column.bf16, saved_bytes=_split(column.saved_bytes, 2))
+    saved = Linear(column.saved_bytes.fixed + whole_input.fixed,
+                   column.saved_bytes.per_sample + whole_input.per_sample)
+    return replace(column, saved_bytes=saved, bf16=bf16)
 
 
 def _forward_bytes(node: NodeCost, reduced: bool, gathered: bool) -> Linear:

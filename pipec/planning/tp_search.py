@@ -7,12 +7,13 @@ and the replicas see ``gpus / tp`` devices: each is planned as today on the rank
 the fastest degree wins. tp divides the devices of a node (its collectives run on the
 intra-node link) and every sharded region's heads and features.
 
-The emitted script applies tp without sequence parallelism (``pipec compile --tp``); with it,
-this search predicts what it would give.
+Sequence parallelism between the regions is an option of each degree's plan (the emitted
+script applies it: pipec.codegen.sequence_parallel).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from pipec.cost.sharded_costs import shard_costs
@@ -22,7 +23,10 @@ from pipec.frontend.shardable import Shardable
 from pipec.planning.planner import plan
 from pipec.planning.values import Plan, PlanRequest
 
-__all__ = ["TpPlan", "plan_at", "plan_with_tp", "tp_degrees", "tp_groups"]
+__all__ = ["SequenceSplit", "TpPlan", "plan_at", "plan_with_tp", "tp_degrees", "tp_groups"]
+
+# The nodes split along the sequence: named, every node outside the regions (True), or none.
+SequenceSplit = bool | frozenset[str]
 
 
 @dataclass(frozen=True)
@@ -47,15 +51,16 @@ def tp_degrees(shardable: Shardable, request: PlanRequest, limit: int | None = N
 
 
 def plan_with_tp(graph: CostGraph, shardable: Shardable, request: PlanRequest,
-                 degrees: tuple[int, ...], sequence_parallel: bool = True) -> TpPlan:
-    """The fastest plan over ``degrees``; an InfeasibleError, the last degree's, when none
-    fits."""
+                 degrees: tuple[int, ...],
+                 sequence_parallel: Callable[[int], SequenceSplit] = lambda tp: True) -> TpPlan:
+    """The fastest plan over ``degrees``, each with ``sequence_parallel(degree)``; an
+    InfeasibleError, the last degree's, when none fits."""
     tried: list[tuple[int, float | None]] = []
     best: tuple[int, Plan] | None = None
     error: InfeasibleError | None = None
     for tp in degrees:
         try:
-            found = plan_at(graph, shardable, request, tp, sequence_parallel)
+            found = plan_at(graph, shardable, request, tp, sequence_parallel(tp))
         except InfeasibleError as exc:
             tried.append((tp, None))
             error = exc
@@ -69,15 +74,17 @@ def plan_with_tp(graph: CostGraph, shardable: Shardable, request: PlanRequest,
 
 
 def plan_at(graph: CostGraph, shardable: Shardable, request: PlanRequest, tp: int,
-            sequence_parallel: bool = True) -> Plan:
+            sequence_parallel: SequenceSplit = True) -> Plan:
     """One tp rank's plan over ``request.gpus / tp`` devices, one per tp group; sequence
-    parallelism between the regions by default (Megatron-LM's with tp: the same bytes
-    communicated, 1/tp of the activations between regions)."""
+    parallelism between the regions (Megatron-LM's with tp: the same bytes communicated, 1/tp
+    of the activations between regions) on the nodes ``sequence_parallel`` names, by default
+    on every node outside them."""
     costs = shard_costs(graph, shardable.regions_at(tp), tp, shardable.embeddings_at(tp),
                         sequence_parallel)
-    return plan(costs.graph, tp_groups(request, tp))
+    return plan(costs.graph, tp_groups(request, tp, bool(sequence_parallel)))
 
 
-def tp_groups(request: PlanRequest, tp: int) -> PlanRequest:
+def tp_groups(request: PlanRequest, tp: int, sequence_parallel: bool = False) -> PlanRequest:
     """The request the pipeline and the replicas see: one device per tp group."""
-    return replace(request, gpus=request.gpus // tp, devices=request.devices[::tp], tp=tp)
+    return replace(request, gpus=request.gpus // tp, devices=request.devices[::tp], tp=tp,
+                   sequence_parallel=sequence_parallel)

@@ -37,6 +37,8 @@ class PlanRequest:
     # Tensor-parallel ranks per device of this request (pipec.planning.tp_search.tp_groups):
     # each holds one more communicator.
     tp: int = 1
+    # The nodes between tp regions split along the sequence (pipec.codegen.sequence_parallel).
+    sequence_parallel: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -155,6 +157,10 @@ class Plan:
         """Tensor-parallel ranks per stage replica: the request's devices are then the tp
         groups (one rank's costs on each)."""
         return self.request.tp
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.request.sequence_parallel and self.request.tp > 1
 
     @property
     def processes(self) -> int:

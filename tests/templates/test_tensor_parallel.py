@@ -83,6 +83,35 @@ def test_the_sample_gpt_trains_like_one_process(gpus: int, pp: int, fsdp: str, s
     assert (plan["tp"], plan["gpus"], plan["pp"], plan["dp"]) == (2, gpus, pp, gpus // 2 // pp)
     assert plan["mesh"][-1] == "tp"
     assert '"tok_emb.weight": (0, (256,))' in (tmp_path / "tp" / "tensor_parallel.py").read_text()
+    # Between the regions each rank ran its part of the sequence (the default, where the
+    # model allows it).
+    assert plan["sequence_parallel"]
+    assert "tensor_parallel.sequence_reduce(" in (tmp_path / "tp" / "stages.py").read_text()
+
+
+def test_sequence_parallelism_off_trains_like_one_process_and_holds_more(
+        one_process: str, tmp_path: Path) -> None:
+    whole = train(SAMPLES / "gpt.py", tmp_path / "off", 2, tp="2", pp=1,
+                  sequence_parallel="off")
+    assert_same_losses(whole, losses_of(one_process))
+    compile_to(SAMPLES / "gpt.py", tmp_path / "on", gpus=2, tp="2", pp=1, batch_size=16,
+               optimizer="adamw")
+    off, on = (json.loads((tmp_path / name / "plan.json").read_text()) for name in ("off", "on"))
+    assert (off["sequence_parallel"], on["sequence_parallel"]) == (False, True)
+    assert "sequence_" not in (tmp_path / "off" / "stages.py").read_text()
+    # Norms and residual adds on half the sequence: less activation memory predicted.
+    assert on["predicted"]["peak_memory_bytes"][0] < off["predicted"]["peak_memory_bytes"][0]
+
+
+def test_a_head_that_reads_across_the_sequence_gathers_it_first(tmp_path: Path) -> None:
+    """The token mixer's residual stream is split after its MLP and gathered before its
+    flatten: the same losses as one process."""
+    mixer = MODELS / "token_mixer.py"
+    reference = train(mixer, tmp_path / "one", 1)
+    losses = train(mixer, tmp_path / "tp", 2, tp="2", pp=1)
+    assert_same_losses(losses, reference)
+    stages = (tmp_path / "tp" / "stages.py").read_text()
+    assert "tensor_parallel.sequence_gather(" in stages
 
 
 @pytest.mark.parametrize(("model", "gpus", "pp"), [("gqa_lm", 2, 1), ("tiny_llama", 4, 2),

@@ -1,0 +1,325 @@
+"""Sequence parallelism between a tp rank's regions (Korthikanti et al., 2022, §4.2.2).
+
+Outside the regions a tp rank's graph (pipec.codegen.local_shards) runs whole and equal on every
+rank: norms, residual adds, dropout. Under sequence parallelism each rank runs them on its 1/tp
+of the sequence (dimension 1 of a (batch, sequence, features) value) instead, so they cost 1/tp
+of their time and activations; Megatron-LM's collectives change to match:
+
+- a region's *enter* all-gathers the sequence forward and reduce-scatters the gradient back
+  (``sequence_enter``);
+- a region's *reduce* reduce-scatters the partial sums along the sequence forward and
+  all-gathers the gradient back (``sequence_reduce``): the same bytes as its all-reduce;
+- a whole value that meets a split one in a node that works token by token is first cut to the
+  rank's part (``scatter``: forward its slice, backward an all-gather), and a split value read by
+  a node that does not work token by token (a view across the sequence, the loss, the stage's
+  output) is gathered first (``sequence_gather``: forward an all-gather, backward the rank's
+  slice, since what follows runs alike on every rank);
+- a parameter such a node reads (a norm's weight, a row-parallel linear's bias) sees only the
+  rank's tokens, so its gradient is summed over the group (``sequence_parameter``: forward the
+  identity, backward an all-reduce);
+- a random node there (dropout) draws on the rank's own stream, since the ranks' tokens differ.
+
+So every value a stage receives or sends is whole, as without sequence parallelism.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch import fx, nn
+
+from pipec.codegen.local_shards import (
+    EMITTED_COLLECTIVES,
+    Collectives,
+    draws_random,
+    own_random_around,
+    parallel_graph,
+    stand_in,
+)
+from pipec.frontend.shardable import Region, VocabularyEmbedding
+
+__all__ = ["EMITTED_SEQUENCE", "SequenceCollectives", "SequenceParallelError",
+           "sequence_parallel_graph", "sequence_split"]
+
+SEQUENCE_DIM = 1
+
+
+class SequenceParallelError(ValueError):
+    """The graph cannot run sequence parallel (a split value's sequence tp does not divide)."""
+
+
+@dataclass(frozen=True)
+class SequenceCollectives:
+    """The functions the sequence-parallel graph calls (each takes and returns one value)."""
+
+    scatter: Callable[[Any], Any]
+    gather: Callable[[Any], Any]
+    enter: Callable[[Any], Any]
+    reduce: Callable[[Any], Any]
+    parameter: Callable[[Any], Any]
+    # (the rank's part, dimension or None): the whole value's shape, or its size along it.
+    shape: Callable[..., Any]
+
+
+# Token by token: elementwise functions and methods, and normalizations over the features.
+_TOKENWISE = {"add", "sub", "mul", "truediv", "div", "neg", "pow", "rsqrt", "sqrt", "exp",
+              "tanh", "gelu", "relu", "silu", "sigmoid", "dropout", "native_dropout",
+              "layer_norm", "native_layer_norm", "rms_norm", "type_as", "to", "float", "half",
+              "bfloat16", "contiguous", "clone", "mean", "sum", "amax", "iadd", "imul", "_to_copy",
+              "alias", "softmax", "erf"}
+_TOKENWISE_MODULES = (nn.LayerNorm, nn.RMSNorm, nn.Dropout, nn.GELU, nn.ReLU, nn.SiLU, nn.Tanh,
+                      nn.Sigmoid, nn.Identity)
+_REDUCTIONS = {"mean", "sum", "amax", "softmax", "layer_norm", "native_layer_norm", "rms_norm"}
+
+
+def sequence_parallel_graph(gm: fx.GraphModule, shapes: Mapping[str, tuple[int, ...]], tp: int,
+                            tensor: Collectives, sequence: SequenceCollectives
+                            ) -> fx.GraphModule:
+    """``gm``, a tp rank's graph whose regions call ``tensor``'s enter and reduce, with the
+    nodes between its regions split along the sequence (``shapes``: the whole values' shapes
+    by node name); SequenceParallelError where tp does not divide a sequence that would be
+    split."""
+    rewriter = _Rewriter(gm, shapes, tp, tensor, sequence)
+    for node in list(gm.graph.nodes):
+        rewriter.visit(node)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def sequence_split(gm: fx.GraphModule, shapes: Mapping[str, tuple[int, ...]],
+                   regions: Sequence[Region], embeddings: Sequence[VocabularyEmbedding],
+                   tp: int) -> frozenset[str]:
+    """The nodes of ``gm`` (the whole model's graph, its values' ``shapes`` by name) that a tp
+    rank of ``regions`` and ``embeddings`` runs on its part of the sequence;
+    SequenceParallelError where tp does not divide a sequence that would be split."""
+    local = parallel_graph(gm, regions, tp, EMITTED_COLLECTIVES, embeddings)
+    rewriter = _Rewriter(local, shapes, tp, EMITTED_COLLECTIVES, EMITTED_SEQUENCE)
+    names = {n.name for n in gm.graph.nodes}
+    for node in list(local.graph.nodes):
+        rewriter.visit(node)
+    return frozenset(n.name for n in rewriter.split if n.name in names)
+
+
+def _name(target: Any) -> str:
+    name = target if isinstance(target, str) else getattr(target, "__name__", str(target))
+    return name.split(".")[0]
+
+
+def _shape(node: Any, shapes: Mapping[str, tuple[int, ...]]) -> tuple[int, ...] | None:
+    if not isinstance(node, fx.Node):
+        return None
+    if node.name in shapes:
+        return tuple(shapes[node.name])
+    meta = node.meta.get("tensor_meta")
+    if meta is not None and hasattr(meta, "shape"):
+        return tuple(meta.shape)
+    value = node.meta.get("val")
+    return tuple(value.shape) if hasattr(value, "shape") else None
+
+
+class _Rewriter:
+    def __init__(self, gm: fx.GraphModule, shapes: Mapping[str, tuple[int, ...]], tp: int,
+                 tensor: Collectives, sequence: SequenceCollectives) -> None:
+        self.gm, self.graph, self.tp, self.known = gm, gm.graph, tp, shapes
+        self.tensor, self.sequence = tensor, sequence
+        self.split: set[fx.Node] = set()  # values this rank holds 1/tp of the sequence of
+        self.shapes: dict[fx.Node, tuple[int, ...] | None] = {}  # the whole shapes
+        self.scattered: dict[fx.Node, fx.Node] = {}
+        self.gathered: dict[fx.Node, fx.Node] = {}
+        self.parameters: dict[fx.Node, fx.Node] = {}
+
+    def shape(self, node: Any) -> tuple[int, ...] | None:
+        """The whole value's shape: recorded by the trace, else its first input's."""
+        if not isinstance(node, fx.Node):
+            return None
+        if node not in self.shapes:
+            own = _shape(node, self.known) if node.op != "get_attr" else None
+            first = next((a for a in node.all_input_nodes), None)
+            self.shapes[node] = own if own is not None or first is None else self.shape(first)
+        return self.shapes[node]
+
+    def visit(self, node: fx.Node) -> None:
+        if node.op == "output":
+            node.args = (self.map_split(node.args[0], self.gather),)
+        elif node.target is self.tensor.enter:
+            node.target = self.sequence.enter
+            node.args = (self.scatter(node.args[0]),)
+        elif node.target is self.tensor.reduce:
+            node.target = self.sequence.reduce
+            self.split.add(node)
+        elif node.target in (self.tensor.own_random, self.tensor.shared_random):
+            if node.args[0] in self.split:
+                self.split.add(node)
+        elif node.op == "call_method" and node.target == "type_as" \
+                and node.args[0] not in self.split:
+            return  # reads the split value's dtype only (a row-parallel bias's cast)
+        elif _reads_metadata(node) and node.args[0] in self.split:
+            self.whole_metadata(node)
+        elif any(a in self.split for a in node.all_input_nodes):
+            if self.tokenwise(node):
+                self.split_node(node)
+            else:
+                node.args, node.kwargs = self.map_split((node.args, node.kwargs), self.gather)
+
+    def whole_metadata(self, node: fx.Node) -> None:
+        """A read of a split value's shape or size gives the whole value's, with no
+        collective; its dtype or device are the same."""
+        if node.op == "call_function" and node.args[1] == "shape":
+            node.target, node.args = self.sequence.shape, (node.args[0],)
+        elif node.op == "call_method" and node.target == "size":
+            node.op, node.target = "call_function", self.sequence.shape
+            node.args, node.kwargs = (node.args[0], *node.args[1:], *node.kwargs.values()), {}
+
+    def tokenwise(self, node: fx.Node) -> bool:
+        """Whether ``node`` works token by token on its split inputs: an elementwise or
+        feature-wise operation that keeps (batch, sequence), whose other inputs are whole
+        values of the split ones' shape, parameters or broadcast along features."""
+        if node.op == "call_module":
+            if not isinstance(self.gm.get_submodule(str(node.target)), _TOKENWISE_MODULES):
+                return False
+        elif node.op not in ("call_function", "call_method") or \
+                (_name(node.target) not in _TOKENWISE and node.target not in _OPERATORS):
+            return False
+        split = next(a for a in node.all_input_nodes if a in self.split)
+        whole, out = self.shape(split), self.shape(node)
+        if whole is None or out is None or len(whole) != 3 or len(out) < 2 \
+                or out[1:2] != whole[1:2]:
+            return False
+        if _name(node.target) in _REDUCTIONS and not self.over_features(node, len(whole)):
+            return False
+        return all(self.joins(a, whole) for a in node.all_input_nodes if a not in self.split)
+
+    def over_features(self, node: fx.Node, dims: int) -> bool:
+        """A reduction's dimension is the last (features); a norm's always is."""
+        if _name(node.target) in ("layer_norm", "native_layer_norm", "rms_norm"):
+            return True
+        dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
+        dims_read = dim if isinstance(dim, list | tuple) else [dim]
+        return all(isinstance(d, int) and d in (-1, dims - 1) for d in dims_read)
+
+    def joins(self, value: fx.Node, whole: tuple[int, ...]) -> bool:
+        """A whole input may meet split ones: a parameter, a value without a sequence to split,
+        or one of the same shape (then cut); not one whose shape is unknown."""
+        shape = self.shape(value)
+        return _parameter(value) is not None or (shape is not None and (
+            len(shape) < 2 or shape[1:] == whole[1:]))
+
+    def split_node(self, node: fx.Node) -> None:
+        """``node`` on the rank's tokens: its whole inputs cut, its parameters' gradients summed
+        over the group, its random numbers the rank's own."""
+        whole = self.shape(next(a for a in node.all_input_nodes if a in self.split))
+        assert whole is not None
+
+        def cut(value: Any) -> Any:
+            if not isinstance(value, fx.Node) or value in self.split:
+                return value
+            parameter = _parameter(value)
+            if parameter is not None:
+                return self.summed(value, parameter)
+            shape = self.shape(value)
+            return self.scatter(value) if shape is not None and len(shape) >= 2 \
+                and shape[1:] == whole[1:] else value
+
+        node.args, node.kwargs = fx.node.map_arg((node.args, node.kwargs), cut)
+        if node.op == "call_module":
+            self.module_parameters(node)
+        self.split.add(node)
+        if self.tensor.own_random is not None and self.tensor.shared_random is not None \
+                and draws_random(self.gm, node):
+            own_random_around(self.graph, node, self.tensor.own_random,
+                              self.tensor.shared_random)
+            self.split.update(u for u in node.users)
+
+    def module_parameters(self, node: fx.Node) -> None:
+        """A norm module on the rank's tokens, as its function with its parameters' gradients
+        summed over the group."""
+        path = str(node.target)
+        module = self.gm.get_submodule(path)
+        if not isinstance(module, nn.LayerNorm | nn.RMSNorm):
+            return
+        with self.graph.inserting_before(node):
+            weights = [None if getattr(module, n, None) is None else
+                       self.graph.call_function(self.sequence.parameter,
+                                                (self.graph.get_attr(f"{path}.{n}"),))
+                       for n in ("weight", "bias")]
+        shape = tuple(module.normalized_shape)
+        node.op = "call_function"
+        if isinstance(module, nn.LayerNorm):
+            node.target = nn.functional.layer_norm
+            node.args = (node.args[0], shape, weights[0], weights[1], module.eps)
+        else:
+            node.target = nn.functional.rms_norm
+            node.args = (node.args[0], shape, weights[0], module.eps)
+        node.kwargs = {}
+
+    def scatter(self, value: Any) -> Any:
+        """The rank's part of ``value``'s sequence (``value`` itself where already split)."""
+        if not isinstance(value, fx.Node) or value in self.split:
+            return value
+        if value not in self.scattered:
+            shape = self.shape(value)
+            if shape is None or len(shape) != 3 or shape[SEQUENCE_DIM] % self.tp:
+                raise SequenceParallelError(
+                    f"{value.name}: a sequence of shape {shape} does not split over "
+                    f"{self.tp} ranks")
+            with self.graph.inserting_after(value):
+                self.scattered[value] = self.graph.call_function(self.sequence.scatter,
+                                                                 (value,))
+            self.split.add(self.scattered[value])
+            self.shapes[self.scattered[value]] = shape
+        return self.scattered[value]
+
+    def gather(self, value: fx.Node) -> fx.Node:
+        if value not in self.gathered:
+            with self.graph.inserting_after(value):
+                self.gathered[value] = self.graph.call_function(self.sequence.gather, (value,))
+            self.shapes[self.gathered[value]] = self.shape(value)
+        return self.gathered[value]
+
+    def summed(self, use: fx.Node, parameter: fx.Node) -> fx.Node:
+        """``use`` (a parameter, or its cast) with the parameter's gradient summed over the
+        group."""
+        if parameter not in self.parameters:
+            with self.graph.inserting_after(parameter):
+                self.parameters[parameter] = self.graph.call_function(
+                    self.sequence.parameter, (parameter,))
+        wrapped = self.parameters[parameter]
+        if use is parameter:
+            return wrapped
+        use.args = fx.node.map_arg(use.args, lambda a: wrapped if a is parameter else a)
+        return use
+
+    def map_split(self, value: Any, function: Callable[[fx.Node], fx.Node]) -> Any:
+        return fx.node.map_arg(value, lambda a: function(a) if a in self.split else a)
+
+
+def _reads_metadata(node: fx.Node) -> bool:
+    """``getattr(value, "shape" | "dtype" | "device" …)`` or ``value.size(…)``."""
+    return (node.op == "call_function" and node.target is getattr) or \
+        (node.op == "call_method" and node.target in ("size", "dim", "get_device"))
+
+
+_OPERATORS = {operator.add, operator.sub, operator.mul, operator.truediv, operator.neg,
+              operator.pow, operator.iadd, operator.imul}
+
+
+def _parameter(value: fx.Node) -> fx.Node | None:
+    """The parameter ``value`` reads: itself (an attribute), or the attribute a cast of it
+    (``type_as``, ``to``) reads; None for anything else."""
+    if value.op == "get_attr":
+        return value
+    if value.op == "call_method" and value.target in ("type_as", "to", "float") \
+            and isinstance(value.args[0], fx.Node) and value.args[0].op == "get_attr":
+        return value.args[0]
+    return None
+
+
+# The functions the emitted stages call: tensor_parallel.py's.
+EMITTED_SEQUENCE = SequenceCollectives(stand_in("scatter"), stand_in("sequence_gather"),
+                                       stand_in("sequence_enter"), stand_in("sequence_reduce"),
+                                       stand_in("sequence_parameter"),
+                                       stand_in("whole_shape"))

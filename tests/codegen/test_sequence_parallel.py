@@ -1,0 +1,81 @@
+"""A tp rank's graph split along the sequence between its regions: which nodes run on the
+rank's tokens, which collectives join them to the regions, and the model that cannot split.
+tests/templates/test_tensor_parallel.py trains the emitted stages to one process's losses."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import fx
+from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
+
+from conftest import MODELS, SAMPLES
+from pipec.codegen.local_shards import EMITTED_COLLECTIVES, parallel_graph
+from pipec.codegen.sequence_parallel import (
+    EMITTED_SEQUENCE,
+    SequenceParallelError,
+    sequence_parallel_graph,
+    sequence_split,
+)
+from pipec.frontend.loader import load_model_file
+from pipec.frontend.shardable import Shardable, find_shardable
+
+
+def traced(path: Path) -> tuple[fx.GraphModule, dict[str, tuple[int, ...]], Shardable]:
+    spec = load_model_file(path)
+    torch.manual_seed(0)
+    gm = fx.symbolic_trace(spec.build_model())
+    ShapeProp(gm).propagate(*spec.sample_batch(3)[:-1])
+    shapes = {n.name: tuple(n.meta["tensor_meta"].shape) for n in gm.graph.nodes
+              if isinstance(n.meta.get("tensor_meta"), TensorMetadata)}
+    return gm, shapes, find_shardable(gm, shapes)
+
+
+def calls(gm: fx.GraphModule, name: str) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if getattr(n.target, "__name__", None) == name]
+
+
+def test_the_gpt_samples_norms_and_residual_adds_run_on_the_ranks_tokens() -> None:
+    gm, shapes, shardable = traced(SAMPLES / "gpt.py")
+    regions = shardable.regions_at(2)
+    split = sequence_split(gm, shapes, regions, (), 2)
+    inside = {name for region in regions for name in region.nodes}
+    assert {"blocks_0_ln2", "blocks_1_ln1", "blocks_3_ln2", "ln_f", "add_1", "add_8"} <= split
+    assert not split & inside
+    # The first block's norm reads the embeddings, whole: its output is cut after it.
+    assert "blocks_0_ln1" not in split and "add" not in split
+
+
+def test_each_region_gathers_the_sequence_and_reduce_scatters_it() -> None:
+    gm, shapes, shardable = traced(SAMPLES / "gpt.py")
+    local = parallel_graph(gm, shardable.regions_at(2), 2, EMITTED_COLLECTIVES)
+    split = sequence_parallel_graph(local, shapes, 2, EMITTED_COLLECTIVES, EMITTED_SEQUENCE)
+    assert len(calls(split, "sequence_enter")) == 9  # 4 attention, 4 MLP, the head
+    assert len(calls(split, "sequence_reduce")) == 8
+    assert not calls(split, "enter") and not calls(split, "reduce")
+    # The 8 norms after the first, each weight and bias summed over the group, and the 8
+    # row-parallel biases.
+    assert len(calls(split, "sequence_parameter")) == 8 * 2 + 8
+    # The head's input is gathered on entry and its logits all-gathered whole: nothing split
+    # leaves the graph.
+    assert not calls(split, "sequence_gather")
+    # Attention's views read the whole sequence's length from the split norm: no collective.
+    assert len(calls(split, "whole_shape")) == 3
+
+
+def test_a_split_value_read_across_tokens_is_gathered_first() -> None:
+    gm, shapes, shardable = traced(MODELS / "token_mixer.py")
+    local = parallel_graph(gm, shardable.regions_at(2), 2, EMITTED_COLLECTIVES)
+    split = sequence_parallel_graph(local, shapes, 2, EMITTED_COLLECTIVES, EMITTED_SEQUENCE)
+    (gathered,) = calls(split, "sequence_gather")
+    assert [u.target for u in gathered.users] == ["flatten"]
+    assert len(calls(split, "scatter")) == 2  # the norm's output and the residual stream
+
+
+def test_a_sequence_tp_does_not_divide_cannot_split() -> None:
+    gm, shapes, shardable = traced(SAMPLES / "gpt.py")
+    odd = {name: (s[0], 33, *s[2:]) if len(s) == 3 else s for name, s in shapes.items()}
+    with pytest.raises(SequenceParallelError, match="does not split over 2 ranks"):
+        sequence_split(gm, odd, shardable.regions_at(2), (), 2)
