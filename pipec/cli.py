@@ -146,11 +146,12 @@ def _add_compile(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
                    help="tensor-parallel ranks per stage replica (Megatron-LM's attention and "
                    "MLP sharding, found in the traced graph; tp innermost in the mesh, within "
                    "a node), or auto: the fastest degree that fits (default: 1)")
-    p.add_argument("--sequence-parallel", choices=("auto", "off"), default="auto",
+    p.add_argument("--sequence-parallel", choices=("auto", "on", "off"), default="auto",
                    help="under tp, run the norms, residual adds and dropout between the "
                    "sharded regions on each rank's part of the sequence (Megatron-LM's "
-                   "sequence parallelism: 1/tp of their activations, the same bytes "
-                   "communicated); auto: wherever the model allows (default: auto)")
+                   "sequence parallelism: 1/tp of their activations, the same bytes in twice "
+                   "the collectives); auto: planned with and without, the faster kept "
+                   "(default: auto)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd", help="(sgd)")
     p.add_argument("--precision", choices=PRECISIONS, default="fp32", help="(fp32)")
     p.add_argument("--calibration", type=Path, default=None,

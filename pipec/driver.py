@@ -33,7 +33,7 @@ from pipec.frontend.shardable import Shardable, find_shardable
 from pipec.planning import Plan, PlanRequest, check, check_request, plan
 from pipec.planning.tp_search import (
     SequenceSplit,
-    plan_at,
+    fastest_at,
     plan_with_tp,
     tp_degrees,
     tp_groups,
@@ -157,11 +157,12 @@ def _plan_tp(analyzed: Analyzed, tp: str, sequence_parallel: str = "auto"
     graph, request = analyzed.graph, _per_rank_request(analyzed.request)
     shardable = find_shardable(analyzed.traced.graph_module,
                                {v.name: v.shape_high for v in graph.values})
-    def split(degree: int) -> SequenceSplit:
-        return sequence_parallel != "off" and _sequence_split(analyzed, shardable, degree)
+    def options(degree: int) -> tuple[SequenceSplit, ...]:
+        return _sequence_options(analyzed, shardable, degree, sequence_parallel)
 
     if degree is None:
-        found = plan_with_tp(graph, shardable, request, tp_degrees(shardable, request), split)
+        found = plan_with_tp(graph, shardable, request, tp_degrees(shardable, request),
+                             options)
         if found.tp == 1:
             # Chosen on the same footing as the other degrees; planned again with the
             # model's measured node times, which only a whole-model plan may use.
@@ -169,7 +170,7 @@ def _plan_tp(analyzed: Analyzed, tp: str, sequence_parallel: str = "auto"
         degree, chosen = found.tp, replace(found.plan, tp_tried=found.tried)
     else:
         _check_regions(shardable, degree)
-        chosen = plan_at(graph, shardable, request, degree, split(degree))
+        chosen = fastest_at(graph, shardable, request, degree, options(degree))
     log.info("tensor parallelism: %d rank(s) per stage replica, %d region(s) and %d "
              "embedding(s) sharded%s", degree, len(shardable.regions_at(degree)),
              len(shardable.vocabulary_at(degree)),
@@ -177,18 +178,28 @@ def _plan_tp(analyzed: Analyzed, tp: str, sequence_parallel: str = "auto"
     return chosen, shardable
 
 
-def _sequence_split(analyzed: Analyzed, shardable: Shardable, degree: int) -> SequenceSplit:
-    """The nodes a tp rank of ``degree`` runs on its part of the sequence; False where the
-    model's sequence does not split (then planned without, and the log says why)."""
+def _sequence_options(analyzed: Analyzed, shardable: Shardable, degree: int, choice: str
+                      ) -> tuple[SequenceSplit, ...]:
+    """``--sequence-parallel``'s options at ``degree``: the nodes a tp rank runs on its part of
+    the sequence, and none (``auto``: the faster plan wins; ``on``: only split; ``off``: only
+    whole). Where the model's sequence does not split, none, and the log says why (``on``: a
+    ConfigError)."""
+    if choice == "off":
+        return (False,)
     try:
         split = sequence_split(analyzed.traced.graph_module,
                                {v.name: v.shape_high for v in analyzed.graph.values},
                                shardable.regions_at(degree), shardable.vocabulary_at(degree),
                                degree)
     except SequenceParallelError as exc:
+        if choice == "on":
+            raise ConfigError(f"--sequence-parallel on at tp {degree}: {exc}; use "
+                              "--sequence-parallel auto or off") from None
         log.info("no sequence parallelism at tp %d: %s", degree, exc)
-        return False
-    return split or False
+        return (False,)
+    if not split:
+        return (False,)
+    return (split,) if choice == "on" else (split, False)
 
 
 def tp_option(tp: str) -> int | None:

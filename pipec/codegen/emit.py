@@ -200,6 +200,7 @@ def _stage_context(plan: Plan, norms: NormPlan, staged: Staged) -> dict[str, Any
         "output_specs": _specs_literal(code.output_specs),
         "recompute": stage.recompute,
         "copy_outputs": plan.schedule in ZERO_BUBBLE and stage.index < len(plan.stages) - 1,
+        "sequence_parameters": code.sequence_parameters,
     } for code, stage in zip(staged.stages, plan.stages, strict=True)]
     # A batch norm computed inside a module's forward is already a group_norm in the graph.
     swapped = tuple(r for r in norms.rewrites if not r.node)

@@ -15,8 +15,9 @@ of their time and activations; Megatron-LM's collectives change to match:
   output) is gathered first (``sequence_gather``: forward an all-gather, backward the rank's
   slice, since what follows runs alike on every rank);
 - a parameter such a node reads (a norm's weight, a row-parallel linear's bias) sees only the
-  rank's tokens, so its gradient is summed over the group (``sequence_parameter``: forward the
-  identity, backward an all-reduce);
+  rank's tokens, so its gradient is summed over the group once a step (``summed``: the emitted
+  gradients.py all-reduces them in one buffer; per use, in backward, it cost a CPU rank of the
+  sample GPT at tp 2 half its step: 155–169 ms against 103–109 ms);
 - a random node there (dropout) draws on the rank's own stream, since the ranks' tokens differ.
 
 So every value a stage receives or sends is whole, as without sequence parallelism.
@@ -42,7 +43,7 @@ from pipec.codegen.local_shards import (
 from pipec.frontend.shardable import Region, VocabularyEmbedding
 
 __all__ = ["EMITTED_SEQUENCE", "SequenceCollectives", "SequenceParallelError",
-           "sequence_parallel_graph", "sequence_split"]
+           "SequenceParallelGraph", "sequence_parallel_graph", "sequence_split"]
 
 SEQUENCE_DIM = 1
 
@@ -59,7 +60,6 @@ class SequenceCollectives:
     gather: Callable[[Any], Any]
     enter: Callable[[Any], Any]
     reduce: Callable[[Any], Any]
-    parameter: Callable[[Any], Any]
     # (the rank's part, dimension or None): the whole value's shape, or its size along it.
     shape: Callable[..., Any]
 
@@ -75,9 +75,17 @@ _TOKENWISE_MODULES = (nn.LayerNorm, nn.RMSNorm, nn.Dropout, nn.GELU, nn.ReLU, nn
 _REDUCTIONS = {"mean", "sum", "amax", "softmax", "layer_norm", "native_layer_norm", "rms_norm"}
 
 
+@dataclass(frozen=True)
+class SequenceParallelGraph:
+    graph_module: fx.GraphModule
+    # The parameters (qualified names) that split nodes read: their gradients, each from the
+    # rank's tokens only, are summed over the group every step.
+    summed: tuple[str, ...]
+
+
 def sequence_parallel_graph(gm: fx.GraphModule, shapes: Mapping[str, tuple[int, ...]], tp: int,
                             tensor: Collectives, sequence: SequenceCollectives
-                            ) -> fx.GraphModule:
+                            ) -> SequenceParallelGraph:
     """``gm``, a tp rank's graph whose regions call ``tensor``'s enter and reduce, with the
     nodes between its regions split along the sequence (``shapes``: the whole values' shapes
     by node name); SequenceParallelError where tp does not divide a sequence that would be
@@ -87,7 +95,7 @@ def sequence_parallel_graph(gm: fx.GraphModule, shapes: Mapping[str, tuple[int, 
         rewriter.visit(node)
     gm.graph.lint()
     gm.recompile()
-    return gm
+    return SequenceParallelGraph(gm, tuple(sorted(rewriter.summed)))
 
 
 def sequence_split(gm: fx.GraphModule, shapes: Mapping[str, tuple[int, ...]],
@@ -130,7 +138,7 @@ class _Rewriter:
         self.shapes: dict[fx.Node, tuple[int, ...] | None] = {}  # the whole shapes
         self.scattered: dict[fx.Node, fx.Node] = {}
         self.gathered: dict[fx.Node, fx.Node] = {}
-        self.parameters: dict[fx.Node, fx.Node] = {}
+        self.summed: set[str] = set()
 
     def shape(self, node: Any) -> tuple[int, ...] | None:
         """The whole value's shape: recorded by the trace, else its first input's."""
@@ -219,7 +227,8 @@ class _Rewriter:
                 return value
             parameter = _parameter(value)
             if parameter is not None:
-                return self.summed(value, parameter)
+                self.summed.add(str(parameter.target))
+                return value
             shape = self.shape(value)
             return self.scatter(value) if shape is not None and len(shape) >= 2 \
                 and shape[1:] == whole[1:] else value
@@ -235,26 +244,10 @@ class _Rewriter:
             self.split.update(u for u in node.users)
 
     def module_parameters(self, node: fx.Node) -> None:
-        """A norm module on the rank's tokens, as its function with its parameters' gradients
-        summed over the group."""
+        """A module on the rank's tokens: its parameters' gradients summed over the group."""
         path = str(node.target)
-        module = self.gm.get_submodule(path)
-        if not isinstance(module, nn.LayerNorm | nn.RMSNorm):
-            return
-        with self.graph.inserting_before(node):
-            weights = [None if getattr(module, n, None) is None else
-                       self.graph.call_function(self.sequence.parameter,
-                                                (self.graph.get_attr(f"{path}.{n}"),))
-                       for n in ("weight", "bias")]
-        shape = tuple(module.normalized_shape)
-        node.op = "call_function"
-        if isinstance(module, nn.LayerNorm):
-            node.target = nn.functional.layer_norm
-            node.args = (node.args[0], shape, weights[0], weights[1], module.eps)
-        else:
-            node.target = nn.functional.rms_norm
-            node.args = (node.args[0], shape, weights[0], module.eps)
-        node.kwargs = {}
+        self.summed.update(f"{path}.{name}" for name, _ in
+                           self.gm.get_submodule(path).named_parameters())
 
     def scatter(self, value: Any) -> Any:
         """The rank's part of ``value``'s sequence (``value`` itself where already split)."""
@@ -279,19 +272,6 @@ class _Rewriter:
                 self.gathered[value] = self.graph.call_function(self.sequence.gather, (value,))
             self.shapes[self.gathered[value]] = self.shape(value)
         return self.gathered[value]
-
-    def summed(self, use: fx.Node, parameter: fx.Node) -> fx.Node:
-        """``use`` (a parameter, or its cast) with the parameter's gradient summed over the
-        group."""
-        if parameter not in self.parameters:
-            with self.graph.inserting_after(parameter):
-                self.parameters[parameter] = self.graph.call_function(
-                    self.sequence.parameter, (parameter,))
-        wrapped = self.parameters[parameter]
-        if use is parameter:
-            return wrapped
-        use.args = fx.node.map_arg(use.args, lambda a: wrapped if a is parameter else a)
-        return use
 
     def map_split(self, value: Any, function: Callable[[fx.Node], fx.Node]) -> Any:
         return fx.node.map_arg(value, lambda a: function(a) if a in self.split else a)
@@ -321,5 +301,4 @@ def _parameter(value: fx.Node) -> fx.Node | None:
 # The functions the emitted stages call: tensor_parallel.py's.
 EMITTED_SEQUENCE = SequenceCollectives(stand_in("scatter"), stand_in("sequence_gather"),
                                        stand_in("sequence_enter"), stand_in("sequence_reduce"),
-                                       stand_in("sequence_parameter"),
                                        stand_in("whole_shape"))

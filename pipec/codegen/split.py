@@ -60,6 +60,9 @@ class StageCode:
     forward_source: str  # ``def forward(self, ...)`` and its body, unindented
     input_specs: tuple[Boundary, ...]
     output_specs: tuple[Boundary, ...]  # for the last stage: the model's output(s)
+    # Under sequence parallelism: the parameters the stage's split nodes read, whose gradients
+    # are summed over the tp group every step.
+    sequence_parameters: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -108,18 +111,21 @@ def split(traced: Traced, graph: CostGraph, plan: Plan, user_module: str,
                 if spec.requires_grad or _is_float(spec.dtype)}
         stage_graph, paths, names = _stage_graph(gm, nodes, inputs, outputs, copied,
                                                  rederivable_sizes(compute))
+        summed: tuple[str, ...] = ()
         if regions or embeddings:
             # By the stage's names: its nodes, and its inputs (placeholders of their own names).
             shapes = {names.get(v.name, v.name): v.shape_high for v in graph.values
                       if v.name in names or v.name in inputs}
-            stage_graph = _tp_rank_graph(gm, stage_graph, plan, stage_regions(regions, names),
-                                         stage_embeddings(embeddings, names), shapes)
+            stage_graph, summed = _tp_rank_graph(gm, stage_graph, plan,
+                                                 stage_regions(regions, names),
+                                                 stage_embeddings(embeddings, names), shapes)
         source, lines = _stage_source(stage_graph.python_code(root_module="self"), user_module)
         imports.update(dict.fromkeys(lines))
         codes.append(StageCode(
             stage.index, f"Stage{stage.index}", tuple(inputs), outputs, paths, source,
             input_specs=input_specs,
-            output_specs=specs.of(outputs or _model_outputs(gm), stage.end, sent=not last)))
+            output_specs=specs.of(outputs or _model_outputs(gm), stage.end, sent=not last),
+            sequence_parameters=summed))
     shards = tensor_shards({k: v.shape for k, v in gm.state_dict().items()}, regions,
                            embeddings) if regions or embeddings else ()
     return Staged(tuple(codes), tuple(sorted(imports)), tied_parameters(gm, codes), shards)
@@ -127,15 +133,16 @@ def split(traced: Traced, graph: CostGraph, plan: Plan, user_module: str,
 
 def _tp_rank_graph(gm: fx.GraphModule, stage_graph: fx.Graph, plan: Plan,
                    regions: Sequence[Region], embeddings: Sequence[VocabularyEmbedding],
-                   shapes: Mapping[str, tuple[int, ...]]) -> fx.Graph:
+                   shapes: Mapping[str, tuple[int, ...]]) -> tuple[fx.Graph, tuple[str, ...]]:
     """A stage's graph as one tp rank runs it, split along the sequence between its regions
-    where the plan says so."""
+    where the plan says so, and the parameters whose gradients the tp group then sums."""
     local = parallel_graph(fx.GraphModule(gm, stage_graph), regions, plan.tp,
                            EMITTED_COLLECTIVES, embeddings)
-    if plan.sequence_parallel:
-        local = sequence_parallel_graph(local, shapes, plan.tp, EMITTED_COLLECTIVES,
-                                        EMITTED_SEQUENCE)
-    return local.graph
+    if not plan.sequence_parallel:
+        return local.graph, ()
+    split = sequence_parallel_graph(local, shapes, plan.tp, EMITTED_COLLECTIVES,
+                                    EMITTED_SEQUENCE)
+    return split.graph_module.graph, split.summed
 
 
 def _is_float(dtype: str) -> bool:

@@ -23,7 +23,8 @@ from pipec.frontend.shardable import Shardable
 from pipec.planning.planner import plan
 from pipec.planning.values import Plan, PlanRequest
 
-__all__ = ["SequenceSplit", "TpPlan", "plan_at", "plan_with_tp", "tp_degrees", "tp_groups"]
+__all__ = ["SequenceSplit", "TpPlan", "fastest_at", "plan_at", "plan_with_tp", "tp_degrees",
+           "tp_groups"]
 
 # The nodes split along the sequence: named, every node outside the regions (True), or none.
 SequenceSplit = bool | frozenset[str]
@@ -52,15 +53,16 @@ def tp_degrees(shardable: Shardable, request: PlanRequest, limit: int | None = N
 
 def plan_with_tp(graph: CostGraph, shardable: Shardable, request: PlanRequest,
                  degrees: tuple[int, ...],
-                 sequence_parallel: Callable[[int], SequenceSplit] = lambda tp: True) -> TpPlan:
-    """The fastest plan over ``degrees``, each with ``sequence_parallel(degree)``; an
-    InfeasibleError, the last degree's, when none fits."""
+                 sequence_parallel: Callable[[int], tuple[SequenceSplit, ...]] = lambda tp: (True,)
+                 ) -> TpPlan:
+    """The fastest plan over ``degrees``, each with the faster of its ``sequence_parallel``
+    options; an InfeasibleError, the last degree's, when none fits."""
     tried: list[tuple[int, float | None]] = []
     best: tuple[int, Plan] | None = None
     error: InfeasibleError | None = None
     for tp in degrees:
         try:
-            found = plan_at(graph, shardable, request, tp, sequence_parallel(tp))
+            found = fastest_at(graph, shardable, request, tp, sequence_parallel(tp))
         except InfeasibleError as exc:
             tried.append((tp, None))
             error = exc
@@ -71,6 +73,27 @@ def plan_with_tp(graph: CostGraph, shardable: Shardable, request: PlanRequest,
     if best is None:
         raise error or InfeasibleError("no tp degree to try")
     return TpPlan(best[0], best[1], tuple(tried))
+
+
+def fastest_at(graph: CostGraph, shardable: Shardable, request: PlanRequest, tp: int,
+               options: tuple[SequenceSplit, ...]) -> Plan:
+    """The fastest of ``tp``'s plans with each sequence-parallel option (the first of equals);
+    the last option's InfeasibleError when none fits. Sequence parallelism saves memory and
+    the nodes' time between the regions, but blocks twice as often: which wins depends on the
+    link's latency."""
+    best: Plan | None = None
+    error: InfeasibleError | None = None
+    for option in options:
+        try:
+            found = plan_at(graph, shardable, request, tp, option)
+        except InfeasibleError as exc:
+            error = exc
+            continue
+        if best is None or found.samples_per_s > best.samples_per_s:
+            best = found
+    if best is None:
+        raise error or InfeasibleError("no sequence-parallel option to try")
+    return best
 
 
 def plan_at(graph: CostGraph, shardable: Shardable, request: PlanRequest, tp: int,

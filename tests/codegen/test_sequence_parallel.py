@@ -52,26 +52,30 @@ def test_each_region_gathers_the_sequence_and_reduce_scatters_it() -> None:
     gm, shapes, shardable = traced(SAMPLES / "gpt.py")
     local = parallel_graph(gm, shardable.regions_at(2), 2, EMITTED_COLLECTIVES)
     split = sequence_parallel_graph(local, shapes, 2, EMITTED_COLLECTIVES, EMITTED_SEQUENCE)
-    assert len(calls(split, "sequence_enter")) == 9  # 4 attention, 4 MLP, the head
-    assert len(calls(split, "sequence_reduce")) == 8
-    assert not calls(split, "enter") and not calls(split, "reduce")
+    gm = split.graph_module
+    assert len(calls(gm, "sequence_enter")) == 9  # 4 attention, 4 MLP, the head
+    assert len(calls(gm, "sequence_reduce")) == 8
+    assert not calls(gm, "enter") and not calls(gm, "reduce")
     # The 8 norms after the first, each weight and bias summed over the group, and the 8
     # row-parallel biases.
-    assert len(calls(split, "sequence_parameter")) == 8 * 2 + 8
+    assert len(split.summed) == 8 * 2 + 8
+    assert {"ln_f.weight", "ln_f.bias", "blocks.0.attn.proj.bias", "blocks.1.ln1.weight"} \
+        <= set(split.summed)  # by the model's names
     # The head's input is gathered on entry and its logits all-gathered whole: nothing split
     # leaves the graph.
-    assert not calls(split, "sequence_gather")
+    assert not calls(gm, "sequence_gather")
     # Attention's views read the whole sequence's length from the split norm: no collective.
-    assert len(calls(split, "whole_shape")) == 3
+    assert len(calls(gm, "whole_shape")) == 3
 
 
 def test_a_split_value_read_across_tokens_is_gathered_first() -> None:
     gm, shapes, shardable = traced(MODELS / "token_mixer.py")
     local = parallel_graph(gm, shardable.regions_at(2), 2, EMITTED_COLLECTIVES)
     split = sequence_parallel_graph(local, shapes, 2, EMITTED_COLLECTIVES, EMITTED_SEQUENCE)
-    (gathered,) = calls(split, "sequence_gather")
+    (gathered,) = calls(split.graph_module, "sequence_gather")
     assert [u.target for u in gathered.users] == ["flatten"]
-    assert len(calls(split, "scatter")) == 2  # the norm's output and the residual stream
+    # The norm's output and the residual stream.
+    assert len(calls(split.graph_module, "scatter")) == 2
 
 
 def test_a_sequence_tp_does_not_divide_cannot_split() -> None:
