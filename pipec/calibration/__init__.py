@@ -9,6 +9,7 @@
 | ``split_backward_times.py`` | what a zero-bubble schedule's split backward adds |
 | ``norm_times.py`` | BatchNorm's own time where a profile timed GroupNorm |
 | ``probe.py`` | the pipelining runtime's own terms, measured on real processes |
+| ``gpu_probe.py`` | links, all-reduce and the runtime's own time on this machine's GPUs |
 | ``action_times.py`` | per-action overhead of the pipelining runtime |
 | ``allreduce_times.py`` | data-parallel all-reduces |
 | ``receive_times.py`` | a receive whose input was sent before it was asked for |

@@ -15,9 +15,8 @@ of their time and activations; Megatron-LM's collectives change to match:
   output) is gathered first (``sequence_gather``: forward an all-gather, backward the rank's
   slice, since what follows runs alike on every rank);
 - a parameter such a node reads (a norm's weight, a row-parallel linear's bias) sees only the
-  rank's tokens, so its gradient is summed over the group once a step (``summed``: the emitted
-  gradients.py all-reduces them in one buffer; per use, in backward, it cost a CPU rank of the
-  sample GPT at tp 2 half its step: 155–169 ms against 103–109 ms);
+  rank's tokens, so its gradient is summed over the group (``summed``: the emitted
+  gradients.py all-reduces them once a step, in one buffer, not in each backward);
 - a random node there (dropout) draws on the rank's own stream, since the ranks' tokens differ.
 
 So every value a stage receives or sends is whole, as without sequence parallelism.
@@ -90,9 +89,7 @@ def sequence_parallel_graph(gm: fx.GraphModule, shapes: Mapping[str, tuple[int, 
     nodes between its regions split along the sequence (``shapes``: the whole values' shapes
     by node name); SequenceParallelError where tp does not divide a sequence that would be
     split."""
-    rewriter = _Rewriter(gm, shapes, tp, tensor, sequence)
-    for node in list(gm.graph.nodes):
-        rewriter.visit(node)
+    rewriter = _rewritten(gm, shapes, tp, tensor, sequence)
     gm.graph.lint()
     gm.recompile()
     return SequenceParallelGraph(gm, tuple(sorted(rewriter.summed)))
@@ -105,11 +102,17 @@ def sequence_split(gm: fx.GraphModule, shapes: Mapping[str, tuple[int, ...]],
     rank of ``regions`` and ``embeddings`` runs on its part of the sequence;
     SequenceParallelError where tp does not divide a sequence that would be split."""
     local = parallel_graph(gm, regions, tp, EMITTED_COLLECTIVES, embeddings)
-    rewriter = _Rewriter(local, shapes, tp, EMITTED_COLLECTIVES, EMITTED_SEQUENCE)
+    rewriter = _rewritten(local, shapes, tp, EMITTED_COLLECTIVES, EMITTED_SEQUENCE)
     names = {n.name for n in gm.graph.nodes}
-    for node in list(local.graph.nodes):
-        rewriter.visit(node)
     return frozenset(n.name for n in rewriter.split if n.name in names)
+
+
+def _rewritten(gm: fx.GraphModule, shapes: Mapping[str, tuple[int, ...]], tp: int,
+               tensor: Collectives, sequence: SequenceCollectives) -> _Rewriter:
+    rewriter = _Rewriter(gm, shapes, tp, tensor, sequence)
+    for node in list(gm.graph.nodes):
+        rewriter.visit(node)
+    return rewriter
 
 
 def _name(target: Any) -> str:
