@@ -198,6 +198,10 @@ def _sequence_options(analyzed: Analyzed, shardable: Shardable, degree: int, cho
         log.info("no sequence parallelism at tp %d: %s", degree, exc)
         return (False,)
     if not split:
+        if choice == "on":
+            raise ConfigError(f"--sequence-parallel on at tp {degree}: no node between the "
+                              "regions works token by token on a (batch, sequence, features) "
+                              "value; use --sequence-parallel auto or off")
         return (False,)
     return (split,) if choice == "on" else (split, False)
 
