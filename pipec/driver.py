@@ -71,7 +71,8 @@ class CompileOptions:
     margin: float | None = None  # a fraction; None: the time model's measured error
     frontend: str = "auto"
     tp: str = "1"  # tensor-parallel ranks per stage replica: a positive integer, or "auto"
-    sequence_parallel: str = "auto"  # under tp: "auto" (where the model allows) or "off"
+    # Under tp: "auto" (planned with and without, the faster kept), "on" or "off".
+    sequence_parallel: str = "auto"
     onnx: bool = False
     force: bool = False
 
@@ -272,4 +273,5 @@ def _request(options: CompileOptions) -> PlanRequest:
 # options, the request's per tp group, pipec.planning.tp_search.tp_groups).
 _SHARED_WITH_REQUEST = tuple(
     f.name for f in fields(PlanRequest)
-    if f.name in {o.name for o in fields(CompileOptions)} - {"calibration", "tp"})
+    if f.name in {o.name for o in fields(CompileOptions)}
+    - {"calibration", "tp", "sequence_parallel"})

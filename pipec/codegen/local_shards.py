@@ -115,10 +115,13 @@ def own_random_around(graph: fx.Graph, node: fx.Node, own: Callable[[Any], Any],
                 shared: Callable[[Any], Any]) -> None:
     """``node`` run on the rank's own random stream: ``own`` on its first input before it,
     ``shared`` on its output after it (each returns its argument, so the graph orders them)."""
-    first = node.args[0]
+    if not node.all_input_nodes:
+        return  # draws for no input of the graph's (a shape's random tensor): left alone
+    first = node.all_input_nodes[0]
     with graph.inserting_before(node):
         switched = graph.call_function(own, (first,))
-    node.args = (switched, *node.args[1:])
+    node.args, node.kwargs = fx.node.map_arg(
+        (node.args, node.kwargs), lambda a: switched if a is first else a)
     _after(graph, node, shared)
 
 

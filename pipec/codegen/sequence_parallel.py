@@ -112,6 +112,11 @@ def _rewritten(gm: fx.GraphModule, shapes: Mapping[str, tuple[int, ...]], tp: in
     rewriter = _Rewriter(gm, shapes, tp, tensor, sequence)
     for node in list(gm.graph.nodes):
         rewriter.visit(node)
+    mixed = rewriter.summed & rewriter.whole_reads()
+    if mixed:
+        raise SequenceParallelError(
+            f"{sorted(mixed)[0]} is read both on a rank's part of the sequence and whole: "
+            "its gradient cannot be summed over the group")
     return rewriter
 
 
@@ -213,11 +218,38 @@ class _Rewriter:
         return all(isinstance(d, int) and d in (-1, dims - 1) for d in dims_read)
 
     def joins(self, value: fx.Node, whole: tuple[int, ...]) -> bool:
-        """A whole input may meet split ones: a parameter, a value without a sequence to split,
-        or one of the same shape (then cut); not one whose shape is unknown."""
+        """A whole input may meet split ones where it is of their shape (then cut), or made of
+        parameters and constants only, without a sequence (a norm's weight, ``1 + w``: their
+        gradients are summed over the group); not a value computed from the activations."""
         shape = self.shape(value)
-        return _parameter(value) is not None or (shape is not None and (
-            len(shape) < 2 or shape[1:] == whole[1:]))
+        if shape is not None and len(shape) >= 2:
+            return shape[1:] == whole[1:]
+        return not self.reads_activations(value)
+
+    def ancestry(self, value: fx.Node) -> set[fx.Node]:
+        """``value`` and what it is computed from, a ``type_as``'s dtype source left out."""
+        seen: set[fx.Node] = set()
+        todo = [value]
+        while todo:
+            node = todo.pop()
+            if node in seen:
+                continue
+            seen.add(node)
+            if node.op == "call_method" and node.target == "type_as":
+                todo += [a for a in node.args[:1] if isinstance(a, fx.Node)]
+            elif node not in self.split:
+                todo += node.all_input_nodes
+        return seen
+
+    def reads_activations(self, value: fx.Node) -> bool:
+        return any(n.op in ("placeholder", "call_module") or n in self.split
+                   for n in self.ancestry(value))
+
+    def trainable(self, target: str) -> bool:
+        try:
+            return bool(self.gm.get_parameter(target).requires_grad)
+        except AttributeError:  # a buffer or a constant: no gradient
+            return False
 
     def split_node(self, node: fx.Node) -> None:
         """``node`` on the rank's tokens: its whole inputs cut, its parameters' gradients summed
@@ -228,13 +260,12 @@ class _Rewriter:
         def cut(value: Any) -> Any:
             if not isinstance(value, fx.Node) or value in self.split:
                 return value
-            parameter = _parameter(value)
-            if parameter is not None:
-                self.summed.add(str(parameter.target))
-                return value
             shape = self.shape(value)
-            return self.scatter(value) if shape is not None and len(shape) >= 2 \
-                and shape[1:] == whole[1:] else value
+            if shape is not None and len(shape) >= 2 and shape[1:] == whole[1:]:
+                return self.scatter(value)
+            self.summed.update(str(n.target) for n in self.ancestry(value)
+                               if n.op == "get_attr" and self.trainable(str(n.target)))
+            return value
 
         node.args, node.kwargs = fx.node.map_arg((node.args, node.kwargs), cut)
         if node.op == "call_module":
@@ -249,8 +280,22 @@ class _Rewriter:
     def module_parameters(self, node: fx.Node) -> None:
         """A module on the rank's tokens: its parameters' gradients summed over the group."""
         path = str(node.target)
-        self.summed.update(f"{path}.{name}" for name, _ in
-                           self.gm.get_submodule(path).named_parameters())
+        self.summed.update(f"{path}.{name}" for name, p in
+                           self.gm.get_submodule(path).named_parameters() if p.requires_grad)
+
+    def whole_reads(self) -> set[str]:
+        """The trainable parameters that nodes running whole read (a shared module called once
+        on split values and once on whole ones)."""
+        reads: set[str] = set()
+        for node in self.graph.nodes:
+            if node.op == "call_module" and node not in self.split:
+                path = str(node.target)
+                reads.update(f"{path}.{name}" for name, p in
+                             self.gm.get_submodule(path).named_parameters() if p.requires_grad)
+            elif node.op == "get_attr" and self.trainable(str(node.target)) and any(
+                    u not in self.split and self.reads_activations(u) for u in node.users):
+                reads.add(str(node.target))
+        return reads
 
     def scatter(self, value: Any) -> Any:
         """The rank's part of ``value``'s sequence (``value`` itself where already split)."""
@@ -288,17 +333,6 @@ def _reads_metadata(node: fx.Node) -> bool:
 
 _OPERATORS = {operator.add, operator.sub, operator.mul, operator.truediv, operator.neg,
               operator.pow, operator.iadd, operator.imul}
-
-
-def _parameter(value: fx.Node) -> fx.Node | None:
-    """The parameter ``value`` reads: itself (an attribute), or the attribute a cast of it
-    (``type_as``, ``to``) reads; None for anything else."""
-    if value.op == "get_attr":
-        return value
-    if value.op == "call_method" and value.target in ("type_as", "to", "float") \
-            and isinstance(value.args[0], fx.Node) and value.args[0].op == "get_attr":
-        return value.args[0]
-    return None
 
 
 # The functions the emitted stages call: tensor_parallel.py's.

@@ -116,9 +116,9 @@ def _sequence_collectives(name: str, all_reduces: tuple[Linear, Linear],
     if name in rows:
         half = _split(all_reduces[0], 2)
         return half, half
-    if name in entries:
+    if name in entries:  # and, for the head, its logits' all-gather forward
         half = _split(entries[name], 2)
-        return half, half
+        return _total((half, all_reduces[0])), half
     return all_reduces
 
 

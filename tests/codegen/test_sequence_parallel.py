@@ -83,3 +83,41 @@ def test_a_sequence_tp_does_not_divide_cannot_split() -> None:
     odd = {name: (s[0], 33, *s[2:]) if len(s) == 3 else s for name, s in shapes.items()}
     with pytest.raises(SequenceParallelError, match="does not split over 2 ranks"):
         sequence_split(gm, odd, shardable.regions_at(2), (), 2)
+
+
+class _Scaled(torch.nn.Module):
+    """After an MLP region: ``(1 + gain) * x`` (Gemma's norm weight), a buffer's shift and a
+    norm module, ``shared``, that also runs on the whole input when ``mixed``."""
+
+    def __init__(self, mixed: bool) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+        self.gain = torch.nn.Parameter(torch.zeros(8))
+        self.register_buffer("shift", torch.ones(8))
+        self.shared, self.mixed = torch.nn.LayerNorm(8), mixed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        start = self.shared(x) if self.mixed else x
+        y = start + self.down(torch.relu(self.up(x)))
+        return self.shared((1 + self.gain) * y + self.shift).mean(dim=1)
+
+
+def _rank_graph(mixed: bool) -> tuple[fx.GraphModule, dict[str, tuple[int, ...]], Shardable]:
+    gm = fx.symbolic_trace(_Scaled(mixed))
+    ShapeProp(gm).propagate(torch.ones(2, 4, 8))
+    shapes = {n.name: tuple(n.meta["tensor_meta"].shape) for n in gm.graph.nodes
+              if isinstance(n.meta.get("tensor_meta"), TensorMetadata)}
+    return gm, shapes, find_shardable(gm, shapes)
+
+
+def test_every_trainable_parameter_a_split_node_reads_is_summed_and_no_buffer() -> None:
+    gm, shapes, shardable = _rank_graph(mixed=False)
+    local = parallel_graph(gm, shardable.regions_at(2), 2, EMITTED_COLLECTIVES)
+    split = sequence_parallel_graph(local, shapes, 2, EMITTED_COLLECTIVES, EMITTED_SEQUENCE)
+    assert set(split.summed) == {"gain", "down.bias", "shared.weight", "shared.bias"}
+
+
+def test_a_parameter_read_both_split_and_whole_cannot_split() -> None:
+    gm, shapes, shardable = _rank_graph(mixed=True)
+    with pytest.raises(SequenceParallelError, match="read both"):
+        sequence_split(gm, shapes, shardable.regions_at(2), (), 2)

@@ -108,7 +108,7 @@ def test_sequence_parallelism_off_trains_like_one_process_and_holds_more(
 
 def test_sequence_parallelism_auto_keeps_the_faster_plan(tmp_path: Path) -> None:
     """Planned with and without: on 2 CPU processes its twice as many blocking collectives
-    cost more than the norms' time it saves (measured: 144 against 103–109 ms a step)."""
+    cost more than the norms' time it saves (benchmarks/results/tp_step_time.md)."""
     plans = {choice: compile_to(SAMPLES / "gpt.py", tmp_path / choice, gpus=2, tp="2", pp=1,
                                 batch_size=64, sequence_parallel=choice)
              for choice in ("auto", "on", "off")}
