@@ -326,9 +326,14 @@ class _Rewriter:
 
 
 def _reads_metadata(node: fx.Node) -> bool:
-    """``getattr(value, "shape" | "dtype" | "device" …)`` or ``value.size(…)``."""
-    return (node.op == "call_function" and node.target is getattr) or \
+    """``getattr(value, "shape" | "dtype" | "device" …)`` or ``value.size(…)`` (not
+    ``value.T``, a tensor: that is read across tokens, gathered)."""
+    return (node.op == "call_function" and node.target is getattr
+            and node.args[1] in _METADATA) or \
         (node.op == "call_method" and node.target in ("size", "dim", "get_device"))
+
+
+_METADATA = {"shape", "dtype", "device", "ndim", "is_cuda", "requires_grad", "layout"}
 
 
 _OPERATORS = {operator.add, operator.sub, operator.mul, operator.truediv, operator.neg,
