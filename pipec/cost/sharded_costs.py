@@ -111,8 +111,8 @@ def _sequence_collectives(name: str, all_reduces: tuple[Linear, Linear],
     cost (a ring's all-gather or reduce-scatter moves half an all-reduce's): a region's entry
     all-gathers the sequence forward and reduce-scatters its gradient backward, a row-parallel
     linear reduce-scatters forward and all-gathers backward. The bytes are the all-reduces',
-    but each region blocks twice as often, forward and backward (on 2 gloo processes on a
-    2-core VM, the sample GPT's tp 2 passes took 66 and 71 ms against 50 and 49 without)."""
+    but each region blocks twice as often, forward and backward
+    (benchmarks/results/tp_step_time.md measures what that costs on gloo)."""
     if name in rows:
         half = _split(all_reduces[0], 2)
         return half, half
