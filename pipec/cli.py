@@ -137,7 +137,9 @@ def _add_compile(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
                    "selective (every stage that may; selective keeps the products' outputs)")
     p.add_argument("--fsdp", choices=FSDP_MODES, default="auto",
                    help="sharded data parallelism over each stage's replicas (FSDP2): off "
-                   "(DDP), zero2, zero3, or auto (zero2 where it is faster or the only fit)")
+                   "(DDP), zero2, zero3 (the stage one unit), block (a unit per block, "
+                   "gradients reduce-scattered every micro-batch), or auto (zero2 or block "
+                   "where it is faster or the only fit)")
     p.add_argument("--mesh", choices=("auto", "dp,pp", "pp,dp"), default="auto",
                    help="the device mesh, outer dimension first: dp,pp puts each replica's "
                    "pipeline on neighbouring ranks, pp,dp each pipeline device's replicas "

@@ -41,6 +41,7 @@ from pipec.planning.evaluate import group_figures_used
 from pipec.planning.planner import Plan, PlanRequest
 from pipec.planning.points import Layout, communicators
 from pipec.planning.schedules import SCHEDULE_CLASSES, ZERO_BUBBLE
+from pipec.planning.sharding import BLOCK
 from pipec.torchcompat import SUPPORTED_PIP, SUPPORTED_TORCH
 from pipec.units import duration, gib, module_list
 
@@ -157,7 +158,8 @@ def _term_label(name: str, plan: Plan) -> str:
     term is its all-gathers and reduce-scatter."""
     if name != "all_reduce":
         return name.replace("_", "-")
-    label = "FSDP all-gathers and reduce-scatter" if plan.fsdp != "off" else "all-reduce"
+    label = {"off": "all-reduce", "block": "FSDP all-gathers and reduce-scatters"}.get(
+        plan.fsdp, "FSDP all-gathers and reduce-scatter")
     if group_figures_used(plan.request, plan.pp, plan.dp, plan.replicas_inner):
         per_node = plan.request.gpus // plan.request.nodes
         label += (f" (its waits as measured on {plan.dp} of {per_node} processes while the "
@@ -201,6 +203,7 @@ def _stage_context(plan: Plan, norms: NormPlan, staged: Staged) -> dict[str, Any
         "recompute": stage.recompute,
         "copy_outputs": plan.schedule in ZERO_BUBBLE and stage.index < len(plan.stages) - 1,
         "sequence_parameters": code.sequence_parameters,
+        "fsdp_units": code.fsdp_units if plan.fsdp == BLOCK else (),
     } for code, stage in zip(staged.stages, plan.stages, strict=True)]
     # A batch norm computed inside a module's forward is already a group_norm in the graph.
     swapped = tuple(r for r in norms.rewrites if not r.node)

@@ -14,7 +14,7 @@ import inspect
 import math
 import re
 import textwrap
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -39,6 +39,7 @@ from pipec.frontend.liveness import rederivable_sizes, shape_symbols
 from pipec.frontend.shardable import Region, VocabularyEmbedding
 from pipec.frontend.trace import Traced
 from pipec.planning.planner import Plan
+from pipec.planning.sharding import block_units
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,9 @@ class StageCode:
     # Under sequence parallelism: the parameters the stage's split nodes read, whose gradients
     # are summed over the tp group every step.
     sequence_parameters: tuple[str, ...] = ()
+    # Under --fsdp block: the stage's blocks, each the modules FSDP shards as one unit
+    # (pipec.planning.sharding.block_units); the rest is the stage's own unit.
+    fsdp_units: tuple[tuple[str, ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -125,10 +129,28 @@ def split(traced: Traced, graph: CostGraph, plan: Plan, user_module: str,
             stage.index, f"Stage{stage.index}", tuple(inputs), outputs, paths, source,
             input_specs=input_specs,
             output_specs=specs.of(outputs or _model_outputs(gm), stage.end, sent=not last),
-            sequence_parameters=summed))
+            sequence_parameters=summed, fsdp_units=_fsdp_units(gm, stage_graph)))
     shards = tensor_shards({k: v.shape for k, v in gm.state_dict().items()}, regions,
                            embeddings) if regions or embeddings else ()
     return Staged(tuple(codes), tuple(sorted(imports)), tied_parameters(gm, codes), shards)
+
+
+def _fsdp_units(gm: fx.GraphModule, stage_graph: fx.Graph) -> tuple[tuple[str, ...], ...]:
+    """The stage's ``--fsdp block`` units: the modules it calls that hold parameters, by
+    block; a block sharing a parameter with a module outside it stays in the stage's unit
+    (FSDP shards each parameter in one unit)."""
+    calls = [str(n.target) for n in stage_graph.nodes if n.op == "call_module"
+             and any(True for _ in gm.get_submodule(str(n.target)).parameters())]
+    units: dict[str, list[str]] = {}
+    for call, unit in block_units(calls).items():
+        units.setdefault(unit, []).append(call)
+    read = {str(n.target) for n in stage_graph.nodes if n.op in ("call_module", "get_attr")}
+
+    def held(paths: Iterable[str]) -> set[int]:
+        return {id(p) for path in paths for _, p in _parameters_at(gm, path)}
+
+    return tuple(tuple(members) for members in units.values()
+                 if not held(members) & held(read - set(members)))
 
 
 def _tp_rank_graph(gm: fx.GraphModule, stage_graph: fx.Graph, plan: Plan,

@@ -73,12 +73,14 @@ def _same_plan(a: Evaluated, b: Evaluated) -> bool:
 
 
 # A plan's place in the complexity order: stages per device, a split backward (zero bubble),
-# pipeline devices, the micro-batch (negated: smaller is more complex), sharding.
+# pipeline devices, the micro-batch (negated: smaller is more complex), sharding (a unit per
+# stage, then a unit per block, which adds collectives for every block and micro-batch).
 Complexity = tuple[int, int, int, int, int]
+SHARDING_COMPLEXITY = {"off": 0, "zero2": 1, "zero3": 1, "block": 2}
 
 
 def complexity(virtual: int, schedule: str, pp: int, micro_batch: int, fsdp: str) -> Complexity:
-    return (virtual, int(schedule in ZERO_BUBBLE), pp, -micro_batch, int(fsdp != "off"))
+    return (virtual, int(schedule in ZERO_BUBBLE), pp, -micro_batch, SHARDING_COMPLEXITY[fsdp])
 
 
 def simpler(a: Complexity, b: Complexity) -> bool:

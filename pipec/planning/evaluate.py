@@ -28,7 +28,13 @@ from pipec.planning.schedules import (
     awaiting_weights,
     in_flight,
 )
-from pipec.planning.sharding import SHARDED, collective_count, collectives_s
+from pipec.planning.sharding import (
+    BLOCK,
+    SHARDED,
+    collective_count,
+    collectives_s,
+    gathered_ratio,
+)
 from pipec.planning.simulate import Simulation, simulate, stage_lower_bound_s
 from pipec.planning.values import PlanRequest
 
@@ -357,9 +363,12 @@ def _collectives_s(costs: Costs, e: Evaluated, position: int,
     once_a_step = tensors * link.gradient_tensor_s + lead
     if layout.fsdp in SHARDED:
         weights = sum(float(costs.weight_bytes[a:b].sum()) for a, b in spans)
+        units = costs.units_in(spans) if layout.fsdp == BLOCK else 1
         return (collectives_s(layout.fsdp, weights, e.num_micro_batches, layout.dp, link,
-                              inter_node)
-                + collective_count(layout.fsdp, e.num_micro_batches) * wait + once_a_step)
+                              inter_node, gathered_ratio(costs.request.training)
+                              if layout.fsdp == BLOCK else 1.0)
+                + collective_count(layout.fsdp, e.num_micro_batches, units) * wait
+                + once_a_step)
     grad_bytes = sum(float(costs.param_bytes[a:b].sum()) for a, b in spans)
     return (allreduce_s(grad_bytes, layout.dp, link, inter_node)
             + data_parallel_collectives(grad_bytes) * wait + once_a_step)

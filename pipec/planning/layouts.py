@@ -8,7 +8,7 @@ from pipec.errors import ConfigError
 from pipec.frontend.normalization import resolve_norm
 from pipec.planning.points import Costs, Layout, Point
 from pipec.planning.schedules import SCHEDULES, ZERO_BUBBLE, runs
-from pipec.planning.sharding import SHARDED, sharded_static_ratio
+from pipec.planning.sharding import BLOCK, SHARDED, sharded_static_ratio
 from pipec.planning.values import PlanRequest
 
 # Interleaved 1F1B: the stages per device searched when --virtual-stages is not given.
@@ -108,7 +108,9 @@ def fsdp_modes(costs: Costs, layout: Layout, schedule: str, virtual: int) -> tup
     where plain BatchNorm is kept across replicas (FSDP, unlike DDP, does not broadcast the
     running statistics). ``auto`` searches zero2 where it holds less than DDP (SGD on 2
     replicas holds as much: its bytes move alike, and a more complex plan must win by the
-    margin); zero3 holds as much as zero2 at the peak."""
+    margin); zero3 holds as much as zero2 at the peak; ``block`` (a unit per block, gradients
+    reduce-scattered per micro-batch) where the model has blocks, the least memory and the
+    most collectives."""
     request = costs.request
     if (layout.dp == 1 or virtual > 1 or schedule in ZERO_BUBBLE
             or (resolve_norm(request.norm, layout.pp, layout.dp) == "keep"
@@ -118,7 +120,9 @@ def fsdp_modes(costs: Costs, layout: Layout, schedule: str, virtual: int) -> tup
         return (request.fsdp,)
     lighter = (sharded_static_ratio(request.training, layout.dp)
                < static_ratio(request.training))
-    return ("off", "zero2") if lighter else ("off",)
+    if not lighter:
+        return ("off",)
+    return ("off", "zero2", BLOCK) if costs.largest_block_bytes else ("off", "zero2")
 
 
 def _no_sharding(request: PlanRequest, layouts: list[Layout]) -> ConfigError:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,7 +25,14 @@ from pipec.cost.model import (
 from pipec.frontend.costgraph import CostGraph
 from pipec.frontend.normalization import resolve_norm
 from pipec.planning.schedules import SCHEDULES, posted_links, stage_device
-from pipec.planning.sharding import HOST_BYTES, SHARDED, shard_arrays
+from pipec.planning.sharding import (
+    BLOCK,
+    HOST_BYTES,
+    SHARDED,
+    block_units,
+    shard_arrays,
+    unit_working_ratio,
+)
 from pipec.planning.values import PlanRequest
 
 
@@ -182,11 +190,30 @@ class Costs:
         # Per node, the fp32 bytes of its parameters, shared ones included (what FSDP shards).
         self.weight_bytes = self.param_bytes + np.array([n.shared_bytes for n in graph.nodes],
                                                         dtype=float)
+        self._block_units(graph)
         self._nodes: dict[tuple[Device, int], NodeArrays] = {}
         self._stages: dict[tuple[Layout, int], StageCosts] = {}
         # Filled and read by balance.boundaries only: points that differ in what a boundary
         # rule ignores share one partition.
         self.boundary_cache: dict[BoundaryKey, Placement | None] = {}
+
+    def _block_units(self, graph: CostGraph) -> None:
+        """Per node, its ``--fsdp block`` unit ("" for the stage's own: sharding.block_units,
+        over the calls of modules that hold parameters), and the largest unit's fp32 bytes."""
+        holders = {n.target for n in graph.nodes if n.op == "call_module" and n.param_bytes}
+        units = block_units([n.target for n in graph.nodes
+                             if n.op == "call_module" and n.target in holders])
+        self.block_unit = [units.get(n.target, "") if n.op == "call_module" else ""
+                           for n in graph.nodes]
+        self.in_block = np.array([bool(u) for u in self.block_unit])
+        totals: dict[str, float] = {}
+        for unit, weight in zip(self.block_unit, self.weight_bytes, strict=True):
+            totals[unit] = totals.get(unit, 0.0) + float(weight)
+        self.largest_block_bytes = max((v for u, v in totals.items() if u), default=0.0)
+
+    def units_in(self, spans: Sequence[tuple[int, int]]) -> int:
+        """The FSDP units of a ``block`` position over ``spans``: its blocks and its own."""
+        return len({self.block_unit[i] for a, b in spans for i in range(a, b)} | {""})
 
     def nodes(self, device: Device, micro_batch: int) -> NodeArrays:
         key = (device, micro_batch)
@@ -225,7 +252,8 @@ class Costs:
             fwd, bwd, synchronized = fwd + sync_fwd, bwd + sync_bwd, sync_fwd + sync_bwd
         arrays = self.nodes(positions[0][0], micro_batch)
         if layout.fsdp in SHARDED:
-            arrays = shard_arrays(arrays, self.weight_bytes, self.request.training, layout.dp)
+            arrays = shard_arrays(arrays, self.weight_bytes, self.request.training, layout.dp,
+                                  layout.fsdp, self.in_block)
         cores = self.shared_cores(layout)
         # The probe measured the links and the runtime's time per action with two processes
         # computing (the split backward and selective passes with all of them); the model's
@@ -260,10 +288,14 @@ class Costs:
         links = posted_links([layout.position(k) for k in range(layout.stages)])
         return tuple(post * n for n in links)
 
-    @staticmethod
-    def _sharding_host_bytes(layout: Layout, device: Device) -> float:
-        """FSDP's own host memory, where the host's memory is the device's (a CPU)."""
-        return HOST_BYTES if layout.fsdp in SHARDED and device.device_type == "cpu" else 0.0
+    def _sharding_host_bytes(self, layout: Layout, device: Device) -> float:
+        """FSDP's own host memory, where the host's memory is the device's (a CPU); under
+        ``block``, what the largest block holds while it computes (sharding.unit_working_ratio:
+        a position holds one block's at a time, whichever it is)."""
+        working = (self.largest_block_bytes * unit_working_ratio(self.request.training)
+                   if layout.fsdp == BLOCK else 0.0)
+        host = HOST_BYTES if layout.fsdp in SHARDED and device.device_type == "cpu" else 0.0
+        return working + host
 
     def _schedule_action_s(self, paired: float) -> tuple[tuple[str, float], ...]:
         """Per schedule, the slowest device's runtime time per action (× ``paired``)."""

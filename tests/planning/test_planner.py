@@ -197,8 +197,9 @@ def test_the_mesh_order_is_searched_across_nodes_and_trains_like_one_process(
     # The MLP sample's weights outweigh its activations, so pp,dp is faster.
     plan = compile_to(SAMPLES / "mlp.py", tmp_path / "auto", gpus=8, nodes=2, batch_size=64,
                       pp=2, micro_batch=4, schedule="1f1b", hardware="a100-80g")
-    both = {c.replicas_inner: c.samples_per_s for c in plan.candidates}
-    assert set(both) == {False, True} and both[True] > both[False]
+    both = {inner: max(c.samples_per_s for c in plan.candidates if c.replicas_inner == inner)
+            for inner in (False, True)}
+    assert both[True] > both[False]
     assert plan.replicas_inner
     data = json.loads((tmp_path / "auto" / "plan.json").read_text())
     assert data["mesh"] == ["pp", "dp"]

@@ -70,7 +70,8 @@ def one_process(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.mark.parametrize(("gpus", "pp", "fsdp", "schedule"), [
     (2, 1, "off", "auto"), (4, 2, "off", "1f1b"), (4, 1, "off", "auto"), (4, 1, "zero2", "auto"),
-    (4, 2, "off", "zbv")], ids=["tp2", "tp2xpp2", "tp2xdp2", "tp2xfsdp2", "tp2xpp2-zbv"])
+    (4, 1, "block", "auto"), (4, 2, "off", "zbv")],
+    ids=["tp2", "tp2xpp2", "tp2xdp2", "tp2xfsdp2", "tp2xfsdp2-block", "tp2xpp2-zbv"])
 def test_the_sample_gpt_trains_like_one_process(gpus: int, pp: int, fsdp: str, schedule: str,
                                                 one_process: str, tmp_path: Path) -> None:
     # ZB-V splits each backward into the input's gradient (where the tp all-reduces run) and
