@@ -19,13 +19,16 @@ of their time and activations; Megatron-LM's collectives change to match:
   gradients.py all-reduces them once a step, in one buffer, not in each backward);
 - a random node there (dropout) draws on the rank's own stream, since the ranks' tokens differ.
 
-So every value a stage receives or sends is whole, as without sequence parallelism.
+A value that crosses a stage boundary split stays split (Megatron-LM sends a rank's part too):
+the stage before sends each rank's 1/tp of the sequence and the stage after receives it as such
+(``split_inputs``), so the boundary carries 1/tp of the bytes and the stage's first nodes run
+split at once. The model's output is gathered for the loss.
 """
 
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,19 +83,23 @@ class SequenceParallelGraph:
     # The parameters (qualified names) that split nodes read: their gradients, each from the
     # rank's tokens only, are summed over the group every step.
     summed: tuple[str, ...]
+    # Per value the graph returns, whether it leaves split (the rank's part of the sequence).
+    split_outputs: tuple[bool, ...] = ()
 
 
 def sequence_parallel_graph(gm: fx.GraphModule, shapes: Mapping[str, tuple[int, ...]], tp: int,
-                            tensor: Collectives, sequence: SequenceCollectives
+                            tensor: Collectives, sequence: SequenceCollectives,
+                            split_inputs: Collection[str] = (), send_split: bool = False
                             ) -> SequenceParallelGraph:
     """``gm``, a tp rank's graph whose regions call ``tensor``'s enter and reduce, with the
     nodes between its regions split along the sequence (``shapes``: the whole values' shapes
-    by node name); SequenceParallelError where tp does not divide a sequence that would be
-    split."""
-    rewriter = _rewritten(gm, shapes, tp, tensor, sequence)
+    by node name); the placeholders ``split_inputs`` arrive split, and under ``send_split``
+    (a stage before the last) split outputs leave so; SequenceParallelError where tp does not
+    divide a sequence that would be split."""
+    rewriter = _rewritten(gm, shapes, tp, tensor, sequence, split_inputs, send_split)
     gm.graph.lint()
     gm.recompile()
-    return SequenceParallelGraph(gm, tuple(sorted(rewriter.summed)))
+    return SequenceParallelGraph(gm, tuple(sorted(rewriter.summed)), rewriter.split_outputs)
 
 
 def sequence_split(gm: fx.GraphModule, shapes: Mapping[str, tuple[int, ...]],
@@ -108,8 +115,11 @@ def sequence_split(gm: fx.GraphModule, shapes: Mapping[str, tuple[int, ...]],
 
 
 def _rewritten(gm: fx.GraphModule, shapes: Mapping[str, tuple[int, ...]], tp: int,
-               tensor: Collectives, sequence: SequenceCollectives) -> _Rewriter:
-    rewriter = _Rewriter(gm, shapes, tp, tensor, sequence)
+               tensor: Collectives, sequence: SequenceCollectives,
+               split_inputs: Collection[str] = (), send_split: bool = False) -> _Rewriter:
+    rewriter = _Rewriter(gm, shapes, tp, tensor, sequence, send_split)
+    rewriter.split.update(n for n in gm.graph.nodes
+                          if n.op == "placeholder" and n.name in split_inputs)
     for node in list(gm.graph.nodes):
         rewriter.visit(node)
     mixed = rewriter.summed & rewriter.whole_reads()
@@ -139,9 +149,11 @@ def _shape(node: Any, shapes: Mapping[str, tuple[int, ...]]) -> tuple[int, ...] 
 
 class _Rewriter:
     def __init__(self, gm: fx.GraphModule, shapes: Mapping[str, tuple[int, ...]], tp: int,
-                 tensor: Collectives, sequence: SequenceCollectives) -> None:
+                 tensor: Collectives, sequence: SequenceCollectives,
+                 send_split: bool = False) -> None:
         self.gm, self.graph, self.tp, self.known = gm, gm.graph, tp, shapes
-        self.tensor, self.sequence = tensor, sequence
+        self.tensor, self.sequence, self.send_split = tensor, sequence, send_split
+        self.split_outputs: tuple[bool, ...] = ()
         self.split: set[fx.Node] = set()  # values this rank holds 1/tp of the sequence of
         self.shapes: dict[fx.Node, tuple[int, ...] | None] = {}  # the whole shapes
         self.scattered: dict[fx.Node, fx.Node] = {}
@@ -160,7 +172,7 @@ class _Rewriter:
 
     def visit(self, node: fx.Node) -> None:
         if node.op == "output":
-            node.args = (self.map_split(node.args[0], self.gather),)
+            self.output(node)
         elif node.target is self.tensor.enter:
             node.target = self.sequence.enter
             node.args = (self.scatter(node.args[0]),)
@@ -180,6 +192,14 @@ class _Rewriter:
                 self.split_node(node)
             else:
                 node.args, node.kwargs = self.map_split((node.args, node.kwargs), self.gather)
+
+    def output(self, node: fx.Node) -> None:
+        """The values the graph returns: gathered, unless they leave split (``send_split``)."""
+        returned = node.args[0]
+        values = returned if isinstance(returned, tuple | list) else (returned,)
+        self.split_outputs = tuple(self.send_split and v in self.split for v in values)
+        if not self.send_split:
+            node.args = (self.map_split(returned, self.gather),)
 
     def whole_metadata(self, node: fx.Node) -> None:
         """A read of a split value's shape or size gives the whole value's, with no

@@ -15,7 +15,7 @@ import math
 import re
 import textwrap
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import ModuleType
 from typing import Any
 
@@ -95,6 +95,7 @@ def split(traced: Traced, graph: CostGraph, plan: Plan, user_module: str,
     roots = storage_roots(gm, compute)
     specs = _Specs(graph, plan, {n.name: root.name for n, root in roots.items()},
                    _grad_by_mutation(gm, compute, roots, graph))
+    sent_split: set[str] = set()  # values the stage before sent as each rank's part
     for stage in plan.stages:
         last = stage.index == len(plan.stages) - 1
         outputs = () if last else tuple(live[stage.end])
@@ -116,19 +117,27 @@ def split(traced: Traced, graph: CostGraph, plan: Plan, user_module: str,
         stage_graph, paths, names = _stage_graph(gm, nodes, inputs, outputs, copied,
                                                  rederivable_sizes(compute))
         summed: tuple[str, ...] = ()
+        output_specs = specs.of(outputs or _model_outputs(gm), stage.end, sent=not last)
         if regions or embeddings:
             # By the stage's names: its nodes, and its inputs (placeholders of their own names).
             shapes = {names.get(v.name, v.name): v.shape_high for v in graph.values
                       if v.name in names or v.name in inputs}
-            stage_graph, summed = _tp_rank_graph(gm, stage_graph, plan,
-                                                 stage_regions(regions, names),
-                                                 stage_embeddings(embeddings, names), shapes)
+            received = [n.name for n in stage_graph.nodes if n.op == "placeholder"]
+            split_in = {p for p, name in zip(received, inputs, strict=True) if name in sent_split}
+            stage_graph, summed, split_out = _tp_rank_graph(
+                gm, stage_graph, plan, stage_regions(regions, names),
+                stage_embeddings(embeddings, names), shapes, split_in, not last)
+            input_specs = _parts(input_specs, [name in sent_split for name in inputs], plan.tp)
+            sent_split = set()
+            if split_out and not last:
+                output_specs = _parts(output_specs, split_out, plan.tp)
+                sent_split = {name for name, part in zip(outputs, split_out, strict=True)
+                              if part}
         source, lines = _stage_source(stage_graph.python_code(root_module="self"), user_module)
         imports.update(dict.fromkeys(lines))
         codes.append(StageCode(
             stage.index, f"Stage{stage.index}", tuple(inputs), outputs, paths, source,
-            input_specs=input_specs,
-            output_specs=specs.of(outputs or _model_outputs(gm), stage.end, sent=not last),
+            input_specs=input_specs, output_specs=output_specs,
             sequence_parameters=summed, fsdp_units=_fsdp_units(gm, stage_graph)))
     shards = tensor_shards({k: v.shape for k, v in gm.state_dict().items()}, regions,
                            embeddings) if regions or embeddings else ()
@@ -155,16 +164,26 @@ def _fsdp_units(gm: fx.GraphModule, stage_graph: fx.Graph) -> tuple[tuple[str, .
 
 def _tp_rank_graph(gm: fx.GraphModule, stage_graph: fx.Graph, plan: Plan,
                    regions: Sequence[Region], embeddings: Sequence[VocabularyEmbedding],
-                   shapes: Mapping[str, tuple[int, ...]]) -> tuple[fx.Graph, tuple[str, ...]]:
+                   shapes: Mapping[str, tuple[int, ...]], split_inputs: set[str],
+                   send_split: bool) -> tuple[fx.Graph, tuple[str, ...], tuple[bool, ...]]:
     """A stage's graph as one tp rank runs it, split along the sequence between its regions
-    where the plan says so, and the parameters whose gradients the tp group then sums."""
+    where the plan says so (``split_inputs`` arrive split; under ``send_split`` its split
+    outputs leave so), the parameters whose gradients the tp group then sums, and which
+    outputs leave split."""
     local = parallel_graph(fx.GraphModule(gm, stage_graph), regions, plan.tp,
                            EMITTED_COLLECTIVES, embeddings)
     if not plan.sequence_parallel:
-        return local.graph, ()
+        return local.graph, (), ()
     split = sequence_parallel_graph(local, shapes, plan.tp, EMITTED_COLLECTIVES,
-                                    EMITTED_SEQUENCE)
-    return split.graph_module.graph, split.summed
+                                    EMITTED_SEQUENCE, split_inputs, send_split)
+    return split.graph_module.graph, split.summed, split.split_outputs
+
+
+def _parts(specs: tuple[Boundary, ...], split: Sequence[bool], tp: int
+           ) -> tuple[Boundary, ...]:
+    """``specs`` with each value sent ``split`` as a rank's part: 1/tp of its sequence."""
+    return tuple(replace(b, shape=(b.shape[0], b.shape[1] // tp, *b.shape[2:])) if part else b
+                 for b, part in zip(specs, split, strict=True))
 
 
 def _is_float(dtype: str) -> bool:

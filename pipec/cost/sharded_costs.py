@@ -16,9 +16,9 @@ Nodes outside the regions (norms, residual adds, dropout) are replicated: every 
 whole, unless ``sequence_parallel``: then each rank runs them on 1/tp of the sequence, and each
 all-reduce becomes a reduce-scatter after the row-parallel linear and an all-gather before the
 column-parallel ones, which move the same bytes (Korthikanti et al., 2022, §4.2.2). Their
-FLOPs, saved activations and outputs are then 1/tp; the values crossing stage boundaries stay
-whole (the emitted stages gather their split outputs: pipec.codegen.sequence_parallel), and the
-loss still sees the gathered logits.
+FLOPs, saved activations and outputs are then 1/tp, and so are the bytes of such a value that
+crosses a stage boundary (the emitted stages send a rank's part: pipec.codegen.sequence_parallel);
+the loss still sees the gathered logits.
 """
 
 from __future__ import annotations
@@ -85,7 +85,33 @@ def shard_costs(graph: CostGraph, regions: Sequence[Region], tp: int,
     split = inside - set(rows) - gathered  # whole after their all-reduce or all-gather
     legal = tuple(ok and not (i < len(graph.live) and split & set(graph.live[i]))
                   for i, ok in enumerate(graph.legal_cuts))
-    return TpCosts(tp, replace(graph, nodes=tuple(nodes), legal_cuts=legal, tp=tp))
+    sharded = replace(graph, nodes=tuple(nodes), legal_cuts=legal, tp=tp)
+    if sequence_parallel:
+        along = ({n.name for n in graph.nodes} - inside - set(embeddings)
+                 if sequence_parallel is True else set(sequence_parallel))
+        sharded = _boundaries_split(sharded, outputs, along, tp)
+    return TpCosts(tp, sharded)
+
+
+def _boundaries_split(graph: CostGraph, outputs: Mapping[str, Linear], along: Collection[str],
+                      tp: int) -> CostGraph:
+    """``graph`` with the values split ``along`` the sequence crossing each cut at 1/tp of
+    their bytes (each cut's four byte counts scaled by the share of its per-sample bytes those
+    values hold)."""
+    kept = []
+    for names, whole in zip(graph.live, graph.cut_bytes, strict=False):
+        part = sum(outputs[v].per_sample for v in names if v in along and v in outputs)
+        share = part / whole.per_sample if whole.per_sample > 0 else 0.0
+        kept.append(1.0 - min(share, 1.0) * (1.0 - 1.0 / tp))
+
+    def scaled(values: tuple[Linear, ...]) -> tuple[Linear, ...]:
+        return tuple(Linear(v.fixed * k, v.per_sample * k)
+                     for v, k in zip(values, kept, strict=False)) + values[len(kept):]
+
+    return replace(graph, cut_bytes=scaled(graph.cut_bytes),
+                   held_cut_bytes=scaled(graph.held_cut_bytes),
+                   cut_bytes_bf16=scaled(graph.cut_bytes_bf16),
+                   held_cut_bytes_bf16=scaled(graph.held_cut_bytes_bf16))
 
 
 def _split(quantity: Linear, tp: int) -> Linear:

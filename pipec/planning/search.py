@@ -6,13 +6,14 @@ pipec.cost.cores widens it)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pipec.cost.model import allreduce_s
 from pipec.planning.choice import candidate
 from pipec.planning.evaluate import Evaluated, partition, rank, stage_bound_s, timed
 from pipec.planning.points import Costs, Point
 from pipec.planning.schedules import SCHEDULES
+from pipec.planning.sharding import BLOCK
 from pipec.planning.simulate import lower_bound_s
 from pipec.planning.values import Candidate
 
@@ -41,12 +42,19 @@ def search(costs: Costs, points: list[Point], window: float = 0.0) -> SearchResu
     evaluated: list[tuple[Point, Candidate]] = []
     fitting_points: list[Evaluated] = []
     pruned = 0
+    plain_fits: set[Point] = set()
     for i, point in enumerate(ordered):
         limit = float("inf") if best is None else best.iteration_s * (1 + window)
         if bounds[point] * _MARGIN > limit:
             pruned += len(ordered) - i
             break
+        if _zero2_twin(point) in plain_fits:
+            pruned += 1
+            continue
         fitting, shown = _partitions(costs, point)
+        if fitting is not None and point.layout.fsdp == "zero2" \
+                and all(r == "none" for r in fitting.recompute):
+            plain_fits.add(point)
         if stage_bound_s(costs, shown) * _MARGIN > limit:
             pruned += 1
             continue
@@ -58,6 +66,15 @@ def search(costs: Costs, points: list[Point], window: float = 0.0) -> SearchResu
                 best = e
     evaluated.sort(key=lambda pc: point_order(pc[0]))
     return SearchResult(best, tuple(c for _, c in evaluated), pruned, tuple(fitting_points))
+
+
+def _zero2_twin(point: Point) -> Point | None:
+    """For a ``block`` point, the same point sharded a stage per unit. Where that one fits
+    without recomputing (it comes first: equal bounds keep fsdp_modes' order), the block point
+    cannot win: it holds less but moves more, so only memory can make it faster."""
+    if point.layout.fsdp != BLOCK:
+        return None
+    return replace(point, layout=replace(point.layout, fsdp="zero2"))
 
 
 def _partitions(costs: Costs, point: Point) -> tuple[Evaluated | None, Evaluated]:

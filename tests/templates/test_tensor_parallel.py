@@ -89,7 +89,11 @@ def test_the_sample_gpt_trains_like_one_process(gpus: int, pp: int, fsdp: str, s
     assert '"tok_emb.weight": (0, (256,))' in (tmp_path / "tp" / "tensor_parallel.py").read_text()
     # Between the regions each rank ran its part of the sequence.
     assert plan["sequence_parallel"]
-    assert "tensor_parallel.sequence_reduce(" in (tmp_path / "tp" / "stages.py").read_text()
+    stages = (tmp_path / "tp" / "stages.py").read_text()
+    assert "tensor_parallel.sequence_reduce(" in stages
+    if pp == 2:  # the residual stream crosses as each rank's half of the 32 tokens
+        sent = re.search(r"OUTPUTS = \(\(\(\d+, (\d+), 64\)", stages)
+        assert sent is not None and sent.group(1) == "16"
 
 
 @pytest.mark.parametrize(("gpus", "pp"), [(2, 1), (4, 2)], ids=["tp2", "tp2xpp2"])
