@@ -122,6 +122,14 @@ CASES = (
          ("--pp", "2", "--batch-size", "16", "--micro-batch", "2", "--schedule", "1f1b",
           "--optimizer", "adamw", "--fsdp", "zero3"),
          "FSDP under a pipeline: weights gathered again after each forward"),
+    Case("long-lm dp2 adamw block", "benchmarks/models/long_lm.py", 2,
+         ("--pp", "1", "--batch-size", "8", "--micro-batch", "2", "--optimizer", "adamw",
+          "--fsdp", "block"),
+         "FSDP a unit per block: one block's weights and gradients whole at a time"),
+    Case("long-lm pp2×dp2 block", "benchmarks/models/long_lm.py", 4,
+         ("--pp", "2", "--batch-size", "16", "--micro-batch", "2", "--schedule", "1f1b",
+          "--optimizer", "adamw", "--fsdp", "block"),
+         "FSDP per block under a pipeline: gradients reduce-scattered every micro-batch"),
     Case("attention selective gpipe", "tests/models/manual_attention.py", 2,
          ("--pp", "2", "--batch-size", "32", "--micro-batch", "4", "--schedule", "gpipe",
           "--recompute", "selective"),
@@ -137,6 +145,10 @@ CASES = (
          ("--tp", "2", "--pp", "2", "--batch-size", "8", "--micro-batch", "1", "--schedule",
           "1f1b"),
          "tensor parallelism on large logits: the head's parts gathered whole"),
+    Case("long-lm tp2 1f1b sp", "benchmarks/models/long_lm.py", 4,
+         ("--tp", "2", "--pp", "2", "--batch-size", "8", "--micro-batch", "1", "--schedule",
+          "1f1b", "--sequence-parallel", "on"),
+         "sequence parallelism: norms on half the sequence, half of it sent to the next stage"),
 )
 
 

@@ -3,7 +3,7 @@ presets, AdamW and bf16, sequence parallelism between the regions: for each tp d
 pp × dp plan of one tp rank, its samples/s, tokens/s per GPU and MFU over the devices' bf16
 peak, counted two ways (6 · parameters · tokens, as benchmarks/planner.py; and the traced
 graph's own forward and backward FLOPs, attention's included), and the time of the plan pass.
-Planning only: the emitted script does not yet apply tp.
+Predicted only: none of these GPU plans has run.
 
     python benchmarks/tp_planner.py [--quick]
 """
