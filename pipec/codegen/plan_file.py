@@ -83,7 +83,7 @@ def plan_dict(plan: Plan, norms: NormPlan, traced: Traced) -> dict[str, Any]:
         # --tp auto: each degree tried, its predicted samples/s (null: nothing fits).
         "tp_tried": [{"tp": tp, "samples_per_s": rate} for tp, rate in plan.tp_tried],
         "recompute": request.recompute,  # asked for; each stage's choice is under "stages"
-        "fsdp": plan.fsdp,  # "off" (DDP), "zero2" or "zero3" (FSDP2 over each stage's replicas)
+        "fsdp": plan.fsdp,  # "off" (DDP), "zero2", "zero3" or "block" (FSDP2 over the replicas)
         "decision": _decision(plan),
         "devices": [d.name for d in request.devices],
         "search": {"evaluated": len(plan.candidates), "pruned": plan.pruned},
