@@ -14,6 +14,7 @@ model's measured error of it (``pipec.planning.choice``). The search is branch a
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 from pipec.cost.model import OPTIMIZERS, PRECISIONS
 from pipec.errors import ConfigError, InfeasibleError
@@ -31,12 +32,12 @@ from pipec.planning.evaluate import (
     timeline,
     unlimited,
 )
-from pipec.planning.layouts import VIRTUAL_STAGES, layouts_to_search, points
+from pipec.planning.layouts import VIRTUAL_STAGES, fsdp_modes, layouts_to_search, points
 from pipec.planning.maxbatch import MAX_BATCH_FACTOR, max_batches
 from pipec.planning.points import Costs, Layout, Point
 from pipec.planning.schedules import SCHEDULES, ZERO_BUBBLE
 from pipec.planning.search import search
-from pipec.planning.sharding import FSDP_MODES, SHARDED
+from pipec.planning.sharding import BLOCK, FSDP_MODES, SHARDED
 from pipec.planning.values import (
     Baseline,
     Candidate,
@@ -228,7 +229,9 @@ def _infeasible(costs: Costs, layouts: list[Layout]) -> InfeasibleError:
     setting the request allows on each (micro-batch 1 unless fixed; 1F1B unless GPipe is asked
     for or the only one that runs), and the one whose fullest device is least over."""
     request = costs.request
-    nearest = min((_leanest(costs, layout) for layout in layouts),
+    sharded = [replace(layout, fsdp=mode) for layout in layouts
+               for mode in fsdp_modes(costs, layout, "1f1b", layout.virtual)]
+    nearest = min((_leanest(costs, layout) for layout in sharded or layouts),
                   key=lambda e: max(e.memory) - min(e.stage_costs.capacity))
     layout, micro_batch, schedule = nearest.layout, nearest.micro_batch, nearest.schedule
     usable = min(nearest.stage_costs.capacity)
@@ -244,10 +247,15 @@ def _infeasible(costs: Costs, layouts: list[Layout]) -> InfeasibleError:
     over = max(nearest.memory) - usable
     return InfeasibleError(
         f"no split fits: the nearest, {layout.pp} pipeline device(s) × {layout.dp} "
-        f"replica(s) at micro-batch {micro_batch} under {schedule}{recomputing}, needs "
+        f"replica(s){_sharded(layout.fsdp)} at micro-batch {micro_batch} under "
+        f"{schedule}{recomputing}, needs "
         f"{gib(max(nearest.memory))} on its fullest device, {gib(over)} more than the "
         f"{gib(usable)} usable on {request.hardware}; try more --gpus, a "
         f"device with more memory (--hardware){hint} or --optimizer sgd")
+
+
+def _sharded(fsdp: str) -> str:
+    return {"off": "", BLOCK: " sharded a unit per block"}.get(fsdp, f" sharded ({fsdp})")
 
 
 def _leanest(costs: Costs, layout: Layout) -> Evaluated:

@@ -107,6 +107,15 @@ def test_auto_shards_by_block_only_where_nothing_lighter_fits(tmp_path: Path) ->
     assert tight.fsdp == "block"
 
 
+def test_nothing_fitting_quotes_the_leanest_sharding(tmp_path: Path) -> None:
+    """2 replicas of one stage, AdamW, on devices too small for any: the error quotes the
+    sharding that holds least, a unit per block, and what it needs."""
+    with pytest.raises(InfeasibleError, match=r"the nearest, 1 pipeline device\(s\) × 2 "
+                       r"replica\(s\) sharded a unit per block at micro-batch 1 .* needs"):
+        compile_to(SAMPLES / "gpt.py", tmp_path / "o", gpus=2, pp=1,
+                   hardware=device_file(tmp_path, 2**20), **ADAMW)
+
+
 def test_sharding_fits_a_larger_micro_batch(tmp_path: Path) -> None:
     """On 4 devices of 2.6 MiB with AdamW, as 2 stages × 2 replicas: sharding frees the
     optimizer state, so micro-batch 2 fits where DDP fits only 1 (the baselines, never
