@@ -120,17 +120,17 @@ def needed_gib(error: pytest.ExceptionInfo[InfeasibleError]) -> float:
 
 
 def test_the_error_quotes_the_layout_that_came_nearest(tmp_path: Path) -> None:
-    """Every pp the search tried is weighed: the quoted need is the least of theirs (here
-    0.13, 0.07 and 0.04 GiB at pp 1, 2 and 4 under AdamW on 24 MiB devices)."""
+    """Every pp the search tried is weighed, each at its leanest sharding: the quoted need is
+    the least of theirs (here 0.05, 0.05 and 0.04 GiB at pp 1, 2 and 4 under AdamW on 24 MiB
+    devices; 0.13 at pp 1 unsharded)."""
     small = _small_device(tmp_path, 24)
     needs = []
-    for pp in (None, 1, 2, 4):
+    for pp, fsdp in ((None, "auto"), (1, "auto"), (2, "auto"), (4, "auto"), (1, "off")):
         with pytest.raises(InfeasibleError) as error:
             compile_to(MODELS / "wide_mlp.py", tmp_path / "o", gpus=4, batch_size=8,
-                       hardware=small, pp=pp, optimizer="adamw")
+                       hardware=small, pp=pp, optimizer="adamw", fsdp=fsdp)
         needs.append(needed_gib(error))
-    assert len(set(needs[1:])) == 3
-    assert needs[0] == min(needs[1:])
+    assert needs[0] == min(needs[1:4]) < needs[1] < needs[4]
 
 
 @pytest.mark.parametrize(("options", "message"), [
