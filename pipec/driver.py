@@ -60,7 +60,7 @@ class CompileOptions:
     norm_groups: int | None = None
     recompute: str = "auto"
     mesh: str = "auto"  # "auto", "dp,pp" or "pp,dp": outer dimension first
-    fsdp: str = "auto"  # "auto", "off", "zero2" or "zero3"
+    fsdp: str = "auto"  # "auto", "off", "zero2", "zero3" or "block"
     optimizer: str = "sgd"
     precision: str = "fp32"
     calibration: Path | None = None

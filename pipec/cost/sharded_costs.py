@@ -67,6 +67,10 @@ def shard_costs(graph: CostGraph, regions: Sequence[Region], tp: int,
     nodes = []
     for n in graph.nodes:
         forward = _forward_bytes(n, n.name in rows or n.name in embeddings, n.name in gathered)
+        if n.name in rows or n.name in embeddings:
+            # The rank's graph reads their weights and calls F.linear or the lookup
+            # (pipec.codegen.local_shards), not the module: no FSDP unit of theirs runs.
+            n = replace(n, op="call_function")
         if n.name in inside:
             n = _shard(n, tp, rows.get(n.name), n.name in columns, n.name in gathered)
             if sequence_parallel and n.name in backward:

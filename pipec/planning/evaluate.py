@@ -363,11 +363,13 @@ def _collectives_s(costs: Costs, e: Evaluated, position: int,
     once_a_step = tensors * link.gradient_tensor_s + lead
     if layout.fsdp in SHARDED:
         weights = sum(float(costs.weight_bytes[a:b].sum()) for a, b in spans)
-        units = costs.units_in(spans) if layout.fsdp == BLOCK else 1
+        block = layout.fsdp == BLOCK
+        units = costs.units_in(spans) if block else 1
+        recomputing = any(e.recompute[k] != "none" for k in layout.stages_on(position))
         return (collectives_s(layout.fsdp, weights, e.num_micro_batches, layout.dp, link,
                               inter_node, gathered_ratio(costs.request.training)
-                              if layout.fsdp == BLOCK else 1.0)
-                + collective_count(layout.fsdp, e.num_micro_batches, units) * wait
+                              if block else 1.0, recomputing)
+                + collective_count(layout.fsdp, e.num_micro_batches, units, recomputing) * wait
                 + once_a_step)
     grad_bytes = sum(float(costs.param_bytes[a:b].sum()) for a, b in spans)
     return (allreduce_s(grad_bytes, layout.dp, link, inter_node)

@@ -116,6 +116,10 @@ def fsdp_modes(costs: Costs, layout: Layout, schedule: str, virtual: int) -> tup
             or (resolve_norm(request.norm, layout.pp, layout.dp) == "keep"
                 and costs.graph_has_batch_norm)):
         return () if request.fsdp in SHARDED else ("off",)
+    if request.fsdp == BLOCK and not costs.largest_block_bytes:
+        raise ConfigError("--fsdp block: the model has no blocks (modules under a numbered "
+                          "path, such as layers.0, that hold parameters and run once a "
+                          "forward); use --fsdp zero2 or zero3")
     if request.fsdp != "auto":
         return (request.fsdp,)
     lighter = (sharded_static_ratio(request.training, layout.dp)

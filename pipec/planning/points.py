@@ -48,7 +48,7 @@ class Layout:
     # Ranks: a replica's positions on neighbouring ranks (False), or a position's replicas
     # (True: data parallelism within a node, the pipeline across nodes).
     replicas_inner: bool = False
-    fsdp: str = "off"  # or "zero2"/"zero3": FSDP over each position's replicas (sharding.py)
+    fsdp: str = "off"  # or "zero2"/"zero3"/"block": FSDP over a position's replicas (sharding.py)
 
     @property
     def stages(self) -> int:

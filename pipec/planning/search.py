@@ -52,7 +52,7 @@ def search(costs: Costs, points: list[Point], window: float = 0.0) -> SearchResu
             pruned += 1
             continue
         fitting, shown = _partitions(costs, point)
-        if fitting is not None and point.layout.fsdp == "zero2" \
+        if fitting is not None and point.layout.fsdp == "zero2" and point.layout.pp == 1 \
                 and all(r == "none" for r in fitting.recompute):
             plain_fits.add(point)
         if stage_bound_s(costs, shown) * _MARGIN > limit:
@@ -69,9 +69,10 @@ def search(costs: Costs, points: list[Point], window: float = 0.0) -> SearchResu
 
 
 def _zero2_twin(point: Point) -> Point | None:
-    """For a ``block`` point, the same point sharded a stage per unit. Where that one fits
-    without recomputing (it comes first: equal bounds keep fsdp_modes' order), the block point
-    cannot win: it holds less but moves more, so only memory can make it faster."""
+    """For a ``block`` point, the same point sharded a stage per unit. Where that one fits one
+    stage without recomputing (it comes first: equal bounds keep fsdp_modes' order), the block
+    point cannot win: it holds less but moves more, and with one stage there is no partition
+    that its memory could balance better."""
     if point.layout.fsdp != BLOCK:
         return None
     return replace(point, layout=replace(point.layout, fsdp="zero2"))

@@ -71,6 +71,15 @@ def gathered_ratio(training: Training) -> float:
     return 0.5 if training.precision == "bf16" else 1.0
 
 
+def outside_block_ratio(training: Training) -> float:
+    """Bytes per fp32 byte of a weight outside the blocks that a ``block`` stage holds whole
+    besides its shards: the gathered weight (the stage's unit, gathered from its forward to its
+    backward's end) and its unsharded gradient through the backward, cast to fp32 for the
+    reduce-scatter under bf16."""
+    gathered = gathered_ratio(training)
+    return 2 * gathered + (1.0 if gathered < 1.0 else 0.0)
+
+
 def block_static_ratio(training: Training, replicas: int) -> float:
     """Bytes kept per fp32 parameter byte of a block unit at a ``block`` stage's peak: its
     weight, gradient and optimizer state, all sharded (÷ replicas)."""
@@ -88,10 +97,11 @@ def shard_arrays(arrays: NodeArrays, weight_bytes: np.ndarray, training: Trainin
                  replicas: int, mode: str, in_block: np.ndarray) -> NodeArrays:
     """``arrays`` with each node's static bytes as an FSDP stage over ``replicas`` holds them
     (``weight_bytes``: per node, its parameters' fp32 bytes, shared ones included); under
-    ``block``, a node ``in_block`` keeps its weights sharded only, the others gathered too."""
+    ``block``, a node ``in_block`` keeps its weights sharded only, the others gathered too, with
+    their gradient (outside_block_ratio)."""
     if mode == BLOCK:
         kept = (block_static_ratio(training, replicas)
-                + np.where(in_block, 0.0, gathered_ratio(training)))
+                + np.where(in_block, 0.0, outside_block_ratio(training)))
     else:
         kept = np.full(len(weight_bytes), sharded_static_ratio(training, replicas))
     return replace(arrays, static_bytes=arrays.static_bytes
@@ -114,9 +124,12 @@ def block_units(calls: Sequence[str]) -> dict[str, str]:
     return {c: fsdp_unit(c) for c in calls if fsdp_unit(c) not in repeated | {""}}
 
 
-def all_gathers(mode: str, micro_batches: int) -> int:
-    """All-gathers of each unit's weights per step (see the module's docstring)."""
-    return {"zero2": 1, "zero3": micro_batches + 1}.get(mode, 2 * micro_batches)
+def all_gathers(mode: str, micro_batches: int, recomputing: bool = False) -> int:
+    """All-gathers of each unit's weights per step (see the module's docstring); under
+    ``block`` a recomputing stage's forward runs again in its backward, gathering each block a
+    third time."""
+    per_micro_batch = 3 if recomputing else 2
+    return {"zero2": 1, "zero3": micro_batches + 1}.get(mode, per_micro_batch * micro_batches)
 
 
 def reduce_scatters(mode: str, micro_batches: int) -> int:
@@ -125,16 +138,19 @@ def reduce_scatters(mode: str, micro_batches: int) -> int:
 
 
 def collectives_s(mode: str, weight_bytes: float, micro_batches: int, replicas: int,
-                  device: Device, inter_node: bool, gathered: float = 1.0) -> float:
+                  device: Device, inter_node: bool, gathered: float = 1.0,
+                  recomputing: bool = False) -> float:
     """One step's all-gathers (``gathered`` bytes per fp32 byte) and reduce-scatters (fp32) of
     ``weight_bytes``: each is half a ring all-reduce, (d − 1) steps moving (d − 1)/d of the
     bytes (Patarasuk & Yuan 2009)."""
     half = allreduce_s(weight_bytes, replicas, device, inter_node) / 2
-    return (all_gathers(mode, micro_batches) * gathered
+    return (all_gathers(mode, micro_batches, recomputing) * gathered
             + reduce_scatters(mode, micro_batches)) * half
 
 
-def collective_count(mode: str, micro_batches: int, units: int = 1) -> int:
+def collective_count(mode: str, micro_batches: int, units: int = 1,
+                     recomputing: bool = False) -> int:
     """The collectives a step waits on: each unit's all-gathers and reduce-scatters, and the
     loss's."""
-    return units * (all_gathers(mode, micro_batches) + reduce_scatters(mode, micro_batches)) + 1
+    return units * (all_gathers(mode, micro_batches, recomputing)
+                    + reduce_scatters(mode, micro_batches)) + 1

@@ -30,7 +30,7 @@ class PlanRequest:
     norm: str = "auto"  # --norm: a synchronized BatchNorm costs an all-reduce per layer
     recompute: str = "auto"  # --recompute: auto (where a stage must), none, full or selective
     mesh: str = "auto"  # --mesh: "dp,pp" (a replica's pipeline innermost), "pp,dp", or searched
-    fsdp: str = "auto"  # --fsdp: off, zero2, zero3, or searched (auto: off or zero2)
+    fsdp: str = "auto"  # --fsdp: off, zero2, zero3, block, or searched (auto: off, zero2, block)
     # --boundaries: pipec's stage boundaries pinned, the first node of each stage after the
     # first (plan.json's stages[k].nodes[0]); None: solved (planning.balance).
     boundaries: tuple[int, ...] | None = None
@@ -78,7 +78,7 @@ class Candidate:
     dp: int
     virtual_stages: int = 1
     replicas_inner: bool = False  # a position's replicas on neighbouring ranks
-    fsdp: str = "off"  # sharded data parallelism: "zero2" or "zero3" (planning.sharding)
+    fsdp: str = "off"  # sharded data parallelism: "zero2", "zero3", "block" (planning.sharding)
 
 
 @dataclass(frozen=True)
@@ -148,7 +148,7 @@ class Plan:
     synchronized_norm_s: float = 0.0
     # Ranks: a position's replicas on neighbouring ranks (True) or a replica's positions.
     replicas_inner: bool = False
-    fsdp: str = "off"  # "zero2"/"zero3": FSDP over each stage's replicas in place of DDP
+    fsdp: str = "off"  # "zero2"/"zero3"/"block": FSDP over each stage's replicas, not DDP
     # Under --tp auto: each degree tried and its predicted samples/s (None: nothing fits).
     tp_tried: tuple[tuple[int, float | None], ...] = ()
 

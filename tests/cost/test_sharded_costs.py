@@ -134,6 +134,9 @@ def test_sequence_parallelism_splits_the_rest_and_the_boundaries(gpt: TpInspecti
         assert sequence.graph.cut_bytes[i].at(4) == pytest.approx(
             gpt.graph.cut_bytes[i].at(4) / 2)
     assert sequence.graph.cut_bytes[0] == gpt.graph.cut_bytes[0]
+    # A rank calls F.linear on a row-parallel weight, not its module: no FSDP block holds it.
+    rows = {name for r in gpt.shardable.regions for name in r.row_nodes}
+    assert rows and all(n.op == "call_function" for n in plain.graph.nodes if n.name in rows)
     # Only the nodes named split, where the model allows: the rest as without.
     named = shard_costs(gpt.graph, gpt.shardable.regions, 2, sequence_parallel={"ln_f"})
     for node, rank in zip(plain.graph.nodes, named.graph.nodes, strict=True):

@@ -107,6 +107,16 @@ def test_auto_shards_by_block_only_where_nothing_lighter_fits(tmp_path: Path) ->
     assert tight.fsdp == "block"
 
 
+def test_block_sharding_needs_blocks(tmp_path: Path) -> None:
+    flat = tmp_path / "flat.py"
+    flat.write_text("import torch\nfrom torch import nn\n\n\ndef build_model():\n"
+                    "    return nn.Linear(8, 4)\n\n\ndef sample_batch(batch_size):\n"
+                    "    return torch.randn(batch_size, 8), torch.randint(0, 4, (batch_size,))\n")
+    with pytest.raises(ConfigError, match=r"--fsdp block: the model has no blocks .* use "
+                                          r"--fsdp zero2 or zero3"):
+        compile_to(flat, tmp_path / "o", gpus=2, pp=1, fsdp="block", batch_size=16)
+
+
 def test_nothing_fitting_quotes_the_leanest_sharding(tmp_path: Path) -> None:
     """2 replicas of one stage, AdamW, on devices too small for any: the error quotes the
     sharding that holds least, a unit per block, and what it needs."""
@@ -242,22 +252,24 @@ def stages_module(out: Path) -> Any:
 
 
 def test_a_block_sharded_plan_trains_like_one_process_under_bf16(tmp_path: Path) -> None:
-    """bf16 gathers (MixedPrecisionPolicy) round the weights to bf16 before autocast would:
-    the losses stay within bf16's rounding of one process's (measured: 4.2e-4 relative at most)."""
+    """bf16 gathers (MixedPrecisionPolicy) round the weights, and each block's inputs, to bf16
+    where one process's autocast keeps the residual stream fp32: the losses stay within bf16's
+    rounding of one process's (measured: 4.2e-4 relative at most)."""
     options = {**ADAMW, "precision": "bf16"}
     compile_to(MODELS / "tied_gpt.py", tmp_path / "one", gpus=1, **options)
     compile_to(MODELS / "tied_gpt.py", tmp_path / "block", gpus=4, pp=2, fsdp="block",
                **options)
-    assert "torch.bfloat16" in (tmp_path / "block" / "pipeline.py").read_text()
+    assert 'PRECISION = "bf16"' in (tmp_path / "block" / "pipeline.py").read_text()
     assert _losses(tmp_path / "block", 4) == pytest.approx(_losses(tmp_path / "one", 1),
                                                            rel=3e-3)
 
 
 def test_block_sharding_holds_blocks_sharded_and_pays_per_micro_batch(tmp_path: Path) -> None:
     """By hand, on the sample GPT (4 blocks, AdamW, fp32, 2 replicas of one stage): a node of
-    a block keeps (1 + 1 + 2) / 2 of its weight bytes, the rest also its gathered weights; the
-    position adds the largest block's working copies (2 gathered, its gradient); every block
-    and the stage all-gather twice and reduce-scatter once per micro-batch."""
+    a block keeps (1 + 1 + 2) / 2 of its weight bytes, the rest also its gathered weights and
+    their gradient; the position adds the largest block's working copies (2 gathered, its
+    gradient); every block and the stage all-gather twice and reduce-scatter once per
+    micro-batch."""
     options = {"gpus": 2, "pp": 1, "micro_batch": 2, **ADAMW}
     block = compile_to(SAMPLES / "gpt.py", tmp_path / "block", fsdp="block", **options)
     zero2 = compile_to(SAMPLES / "gpt.py", tmp_path / "z2", fsdp="zero2", **options)
@@ -270,7 +282,7 @@ def test_block_sharding_holds_blocks_sharded_and_pays_per_micro_batch(tmp_path: 
     assert set(costs.block_unit) == {"", "blocks.0", "blocks.1", "blocks.2", "blocks.3"}
     assert costs.largest_block_bytes == pytest.approx(blocks / 4)
     assert block.stages[0].memory is not None
-    assert block.stages[0].memory.static == pytest.approx(blocks * 4 / 2 + rest * (4 / 2 + 1))
+    assert block.stages[0].memory.static == pytest.approx(blocks * 4 / 2 + rest * (4 / 2 + 2))
     working = costs.largest_block_bytes * (2 + 1)
     assert (block.device_memory_bytes[0] - block.stages[0].memory_bytes
             - (zero2.device_memory_bytes[0] - zero2.stages[0].memory_bytes)
@@ -278,6 +290,10 @@ def test_block_sharding_holds_blocks_sharded_and_pays_per_micro_batch(tmp_path: 
     assert max(block.device_memory_bytes) < max(zero2.device_memory_bytes)
     assert block.step_terms["all_reduce"] > zero2.step_terms["all_reduce"]
     assert json.loads((tmp_path / "block" / "plan.json").read_text())["fsdp"] == "block"
+    # Recomputing runs each block's forward again in its backward: a third all-gather.
+    again = compile_to(SAMPLES / "gpt.py", tmp_path / "again", fsdp="block", recompute="full",
+                       **options)
+    assert again.step_terms["all_reduce"] > block.step_terms["all_reduce"]
 
 
 @pytest.mark.parametrize(("saver", "resumer"), [("z2", "one"), ("one", "z2")])

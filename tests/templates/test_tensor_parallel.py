@@ -91,6 +91,11 @@ def test_the_sample_gpt_trains_like_one_process(gpus: int, pp: int, fsdp: str, s
     assert plan["sequence_parallel"]
     stages = (tmp_path / "tp" / "stages.py").read_text()
     assert "tensor_parallel.sequence_reduce(" in stages
+    if fsdp == "block":  # the row-parallel linears run as F.linear: in the stage's own unit
+        units = re.search(r"FSDP_UNITS = \((.*?)\n    \)", stages, re.S)
+        assert units is not None
+        assert '"blocks.0.attn.qkv"' in units.group(1)
+        assert '"blocks.0.attn.proj"' not in units.group(1)
     if pp == 2:  # the residual stream crosses as each rank's half of the 32 tokens
         sent = re.search(r"OUTPUTS = \(\(\(\d+, (\d+), 64\)", stages)
         assert sent is not None and sent.group(1) == "16"
