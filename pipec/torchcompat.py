@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from importlib import resources
 from types import ModuleType
 from typing import Any
@@ -36,6 +37,7 @@ __all__ = [
     "backward_input",
     "can_fake",
     "check_torch",
+    "counting_fsdp_reductions",
     "cpu_only_fakes",
     "device_reads",
     "fake_constant",
@@ -92,6 +94,32 @@ def cpu_only_fakes() -> Iterator[None]:
         yield
     finally:
         FakeTensorMode.avoid_device_init = original  # type: ignore[method-assign]
+
+
+# Where FSDP2 keeps the function that reduces one unit's gradients (its reduce-scatter, and the
+# replicas' all-reduce under HSDP), by release: the same module in every supported one.
+FSDP_REDUCE = {release: ("torch.distributed.fsdp._fully_shard._fsdp_param_group", "foreach_reduce")
+               for release in ((2, 11), (2, 12), (2, 13), (2, 14))}
+
+
+@contextlib.contextmanager
+def counting_fsdp_reductions(record: Callable[[], None]) -> Iterator[None]:
+    """Within the block, ``record()`` runs each time FSDP2 reduces a unit's gradients, in this
+    process and in the processes forked inside the block. FSDP2 has no public hook for it, so
+    this wraps its private function (FSDP_REDUCE); tests count reductions with it."""
+    module_name, name = FSDP_REDUCE[release()]
+    module = importlib.import_module(module_name)
+    reduce = getattr(module, name)
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        record()
+        return reduce(*args, **kwargs)
+
+    setattr(module, name, counted)
+    try:
+        yield
+    finally:
+        setattr(module, name, reduce)
 
 
 # torch.export's call of a torch.no_grad() (or enable_grad) region kept in a submodule graph.

@@ -17,6 +17,7 @@ from pipec.torchcompat import (
     SUPPORTED_TORCH,
     UnsupportedTorchError,
     check_torch,
+    counting_fsdp_reductions,
     release,
 )
 
@@ -70,3 +71,25 @@ def test_the_emitted_script_stops_at_its_start_on_an_unsupported_torch(tmp_path:
     assert result.stderr.count("\n") == 1
     assert "torch 2.15.0+cu130 is not supported" in result.stderr
     assert "runs on torch 2.11 to 2.14" in result.stderr
+
+
+def test_fsdp_reductions_are_counted_once_per_unit_and_backward(tmp_path: Path) -> None:
+    """The wrapper around FSDP2's private reduction finds it on the installed release and
+    sees each unit's reduce-scatter: two units, two backwards, four calls."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+        fully_shard(model[0])
+        fully_shard(model)
+        calls: list[int] = []
+        with counting_fsdp_reductions(lambda: calls.append(1)):
+            for _ in range(2):
+                model(torch.ones(2, 4)).sum().backward()
+        model(torch.ones(2, 4)).sum().backward()  # after the block: not counted
+    finally:
+        dist.destroy_process_group()
+    assert len(calls) == 4

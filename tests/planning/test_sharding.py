@@ -31,6 +31,7 @@ from pipec.errors import ConfigError, InfeasibleError
 from pipec.planning import planner
 from pipec.planning.points import Costs
 from pipec.planning.sharding import HOST_BYTES, sharded_static_ratio
+from pipec.torchcompat import counting_fsdp_reductions
 
 ADAMW = {"optimizer": "adamw", "batch_size": 16}
 ZOO = Path(__file__).resolve().parents[2] / "benchmarks" / "zoo"
@@ -205,25 +206,20 @@ def test_a_sharded_plan_trains_like_ddp_under_bf16(tmp_path: Path) -> None:
     assert sharded == pytest.approx(_losses(tmp_path / "one", 1), rel=1e-3)
 
 
-def test_block_sharding_reduce_scatters_every_block_in_every_backward(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_block_sharding_reduce_scatters_every_block_in_every_backward(tmp_path: Path) -> None:
     """Under --fsdp block each micro-batch's backward reduces each unit's gradients (its
     blocks' and the stage's own) at once; zero2, under torch's pipeline runtime, once a step.
-    FSDP's reduction is counted in the forked ranks, which inherit the patch."""
-    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+    FSDP's reduction is counted in the forked ranks, which inherit the wrapper."""
 
-    reduce = _fsdp_param_group.foreach_reduce
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
+    def record() -> None:
         with (tmp_path / f"reduced-{os.getpid()}").open("a") as log:
             log.write("1\n")
-        return reduce(*args, **kwargs)
 
-    monkeypatch.setattr(_fsdp_param_group, "foreach_reduce", counted)
     options = {"gpus": 4, "pp": 2, "micro_batch": 2, "schedule": "1f1b", **ADAMW}
     for mode in ("block", "zero2"):
         compile_to(MODELS / "tied_gpt.py", tmp_path / mode, fsdp=mode, **options)
-        run_forked(tmp_path / mode, 4, "--steps", "2")
+        with counting_fsdp_reductions(record):
+            run_forked(tmp_path / mode, 4, "--steps", "2")
         counts = sorted(len(f.read_text().split()) for f in tmp_path.glob("reduced-*"))
         for f in tmp_path.glob("reduced-*"):
             f.unlink()
