@@ -149,6 +149,10 @@ CASES = (
          ("--tp", "2", "--pp", "2", "--batch-size", "8", "--micro-batch", "1", "--schedule",
           "1f1b", "--sequence-parallel", "on"),
          "sequence parallelism: norms on half the sequence, half of it sent to the next stage"),
+    Case("long-lm tp2×dp2 block", "benchmarks/models/long_lm.py", 4,
+         ("--tp", "2", "--pp", "1", "--batch-size", "8", "--micro-batch", "2", "--optimizer",
+          "adamw", "--fsdp", "block"),
+         "tensor parallelism under FSDP per block: the row-parallel parts stay whole"),
 )
 
 

@@ -191,6 +191,7 @@ class Costs:
         self.weight_bytes = self.param_bytes + np.array([n.shared_bytes for n in graph.nodes],
                                                         dtype=float)
         self._block_units(graph)
+        self._units: dict[tuple[tuple[int, int], ...], int] = {}
         self._nodes: dict[tuple[Device, int], NodeArrays] = {}
         self._stages: dict[tuple[Layout, int], StageCosts] = {}
         # Filled and read by balance.boundaries only: points that differ in what a boundary
@@ -212,8 +213,13 @@ class Costs:
         self.largest_block_bytes = max((v for u, v in totals.items() if u), default=0.0)
 
     def units_in(self, spans: Sequence[tuple[int, int]]) -> int:
-        """The FSDP units of a ``block`` position over ``spans``: its blocks and its own."""
-        return len({self.block_unit[i] for a, b in spans for i in range(a, b)} | {""})
+        """The FSDP units of a ``block`` position over ``spans``: its blocks and its own
+        (cached: the search asks again for every schedule and micro-batch of a partition)."""
+        key = tuple(spans)
+        if key not in self._units:
+            self._units[key] = len({self.block_unit[i] for a, b in spans for i in range(a, b)}
+                                   | {""})
+        return self._units[key]
 
     def nodes(self, device: Device, micro_batch: int) -> NodeArrays:
         key = (device, micro_batch)
