@@ -98,8 +98,8 @@ def cpu_only_fakes() -> Iterator[None]:
 
 # Where FSDP2 keeps the function that reduces one unit's gradients (its reduce-scatter, and the
 # replicas' all-reduce under HSDP), by release: the same module in every supported one.
-FSDP_REDUCE = {release: ("torch.distributed.fsdp._fully_shard._fsdp_param_group", "foreach_reduce")
-               for release in ((2, 11), (2, 12), (2, 13), (2, 14))}
+FSDP_REDUCE = {version: ("torch.distributed.fsdp._fully_shard._fsdp_param_group", "foreach_reduce")
+               for version in ((2, 11), (2, 12), (2, 13), (2, 14))}
 
 
 @contextlib.contextmanager
