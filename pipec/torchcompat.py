@@ -98,8 +98,9 @@ def cpu_only_fakes() -> Iterator[None]:
 
 # Where FSDP2 keeps the function that reduces one unit's gradients (its reduce-scatter, and the
 # replicas' all-reduce under HSDP), by release: the same module in every supported one.
-FSDP_REDUCE = {version: ("torch.distributed.fsdp._fully_shard._fsdp_param_group", "foreach_reduce")
-               for version in ((2, 11), (2, 12), (2, 13), (2, 14))}
+FSDP_REDUCE = {(2, minor): ("torch.distributed.fsdp._fully_shard._fsdp_param_group",
+                             "foreach_reduce")
+               for minor in range(SUPPORTED_TORCH[0][1], SUPPORTED_TORCH[1][1] + 1)}
 
 
 @contextlib.contextmanager
@@ -107,6 +108,7 @@ def counting_fsdp_reductions(record: Callable[[], None]) -> Iterator[None]:
     """Within the block, ``record()`` runs each time FSDP2 reduces a unit's gradients, in this
     process and in the processes forked inside the block. FSDP2 has no public hook for it, so
     this wraps its private function (FSDP_REDUCE); tests count reductions with it."""
+    check_torch()
     module_name, name = FSDP_REDUCE[release()]
     module = importlib.import_module(module_name)
     reduce = getattr(module, name)

@@ -75,16 +75,20 @@ def test_the_emitted_script_stops_at_its_start_on_an_unsupported_torch(tmp_path:
 
 def test_fsdp_reductions_are_counted_once_per_unit_and_backward(tmp_path: Path) -> None:
     """The wrapper around FSDP2's private reduction finds it on the installed release and
-    sees each unit's reduce-scatter: two units, two backwards, four calls."""
+    sees each unit's reduction call: two units, two backwards, four calls. The mesh is the
+    CPU's: FSDP's default, on a machine with a GPU, would start CUDA in the test process,
+    which later tests fork."""
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
+        mesh = init_device_mesh("cpu", (1,))
         model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
-        fully_shard(model[0])
-        fully_shard(model)
+        fully_shard(model[0], mesh=mesh)
+        fully_shard(model, mesh=mesh)
         calls: list[int] = []
         with counting_fsdp_reductions(lambda: calls.append(1)):
             for _ in range(2):

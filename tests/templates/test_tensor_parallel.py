@@ -150,16 +150,19 @@ def test_a_head_that_reads_across_the_sequence_gathers_it_first(tmp_path: Path) 
     assert "tensor_parallel.sequence_gather(" in stages
 
 
-@pytest.mark.parametrize(("model", "gpus", "pp"), [("gqa_lm", 2, 1), ("tiny_llama", 4, 2),
-                                                   ("tied_gpt", 4, 2)],
-                         ids=["llama-shaped", "hugging-face-llama-tp2xpp2",
-                              "tied-head-tp2xpp2"])
-def test_llama_shaped_models_train_like_one_process(model: str, gpus: int, pp: int,
+@pytest.mark.parametrize(("model", "gpus", "pp", "fsdp"), [
+    ("gqa_lm", 2, 1, "auto"), ("gqa_lm", 4, 2, "auto"), ("gqa_lm", 4, 1, "zero2"),
+    ("tiny_llama", 2, 1, "auto"), ("tiny_llama", 4, 2, "auto"), ("tiny_llama", 4, 1, "zero2"),
+    ("tied_gpt", 4, 2, "auto")],
+    ids=["llama-shaped-tp2", "llama-shaped-tp2xpp2", "llama-shaped-tp2xfsdp2",
+         "hugging-face-llama-tp2", "hugging-face-llama-tp2xpp2", "hugging-face-llama-tp2xfsdp2",
+         "tied-head-tp2xpp2"])
+def test_llama_shaped_models_train_like_one_process(model: str, gpus: int, pp: int, fsdp: str,
                                                     tmp_path: Path) -> None:
     # Grouped-query attention, rotary embeddings and SwiGLU; Hugging Face's Llama through
     # torch.export; a head tied to the embedding, which stays whole on each rank.
     reference = train(MODELS / f"{model}.py", tmp_path / "one", 1)
-    losses = train(MODELS / f"{model}.py", tmp_path / "tp", gpus, tp="2", pp=pp)
+    losses = train(MODELS / f"{model}.py", tmp_path / "tp", gpus, tp="2", pp=pp, fsdp=fsdp)
     assert_same_losses(losses, reference)
     shards = (tmp_path / "tp" / "tensor_parallel.py").read_text()
     # Both kinds of linear hold a part, under the model's own keys.
