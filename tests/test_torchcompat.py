@@ -3,6 +3,7 @@ stated once (pipec.torchcompat) for pyproject.toml, the compiler and the emitted
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import subprocess
 import sys
 from pathlib import Path
@@ -75,15 +76,21 @@ def test_the_emitted_script_stops_at_its_start_on_an_unsupported_torch(tmp_path:
 
 def test_fsdp_reductions_are_counted_once_per_unit_and_backward(tmp_path: Path) -> None:
     """The wrapper around FSDP2's private reduction finds it on the installed release and
-    sees each unit's reduction call: two units, two backwards, four calls. The mesh is the
-    CPU's: FSDP's default, on a machine with a GPU, would start CUDA in the test process,
-    which later tests fork."""
+    sees each unit's reduction call: two units, two backwards, four calls. It runs in a forked
+    child: a backward in the test process would start a CUDA build's autograd threads, after
+    which the ranks later tests fork cannot run one."""
+    with mp.get_context("fork").Pool(1) as pool:
+        assert pool.apply(_fsdp_reductions_in_two_backwards, (str(tmp_path / "store"),)) == 4
+
+
+def _fsdp_reductions_in_two_backwards(store_path: str) -> int:
+    """One process, a CPU mesh (FSDP's default mesh would be a GPU's where one is visible):
+    the reductions counted over two backwards, and none after the block."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 1), rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cpu", (1,))
         model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
@@ -96,4 +103,4 @@ def test_fsdp_reductions_are_counted_once_per_unit_and_backward(tmp_path: Path) 
         model(torch.ones(2, 4)).sum().backward()  # after the block: not counted
     finally:
         dist.destroy_process_group()
-    assert len(calls) == 4
+    return len(calls)
