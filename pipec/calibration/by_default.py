@@ -27,7 +27,7 @@ import torch
 
 from pipec.calibration.blocks import fitting_sizes, measuring_plan, profile_by_blocks
 from pipec.calibration.gpu_probe import probe_gpu_runtime
-from pipec.calibration.heap import set_training_heap
+from pipec.calibration.heap import heap_settings, set_training_heap
 from pipec.calibration.probe import RuntimeFigures, probe_runtime
 from pipec.calibration.profile import profile_model, profile_sizes
 from pipec.calibration.runtime_fit import blocking_fit, data_parallel_fit, runtime_action_fit
@@ -146,7 +146,7 @@ def _runtime(target: Target, processes: int) -> RuntimeFigures | None:
     if processes < 2:
         return None
     fields = {"device": target.device_name, "threads": target.threads, "processes": processes,
-              "torch": torch.__version__, "version": RUNTIME_CACHE_VERSION}
+              "torch": torch.__version__, "version": RUNTIME_CACHE_VERSION, **heap_settings()}
     key = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
     path = cache_dir() / f"runtime-{key[:20]}.json"
     with contextlib.suppress(OSError, ValueError, TypeError):
@@ -229,7 +229,7 @@ def cache_key(model: Path, target: Target) -> str:
     except OSError as exc:
         raise ConfigError(f"model file {model}: {exc}") from None
     fields = {"model": content, "torch": torch.__version__, "version": CACHE_VERSION,
-              **target.__dict__}
+              **heap_settings(), **target.__dict__}
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
 
 

@@ -35,3 +35,8 @@ def set_training_heap() -> bool:
             (M_TOP_PAD, HEAP_GROWTH)))
     except (OSError, AttributeError):
         return False
+
+
+def heap_settings() -> dict[str, int]:
+    """What pipec's cached measurements depend on: a pass timed in another heap is stale."""
+    return {"mapped_block": MAPPED_BLOCK, "heap_growth": HEAP_GROWTH}

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from conftest import MODELS, SAMPLES, compile_to
+from pipec.calibration import heap
 from pipec.calibration.by_default import Target, cache_key, training_threads
 from pipec.calibration.probe import RuntimeFigures
 from pipec.calibration.profile import profile_model
@@ -147,7 +148,8 @@ def test_a_damaged_cache_entry_is_measured_again(tmp_path: Path, cache: Path,
     assert entry.read_text().startswith("{\n")  # rewritten whole
 
 
-def test_the_key_follows_what_the_times_depend_on(tmp_path: Path) -> None:
+def test_the_key_follows_what_the_times_depend_on(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     model = tmp_path / "model.py"
     model.write_text(MLP.read_text())
     target = Target("cpu", "a cpu", 1, 8, "fp32", "group")
@@ -158,6 +160,9 @@ def test_the_key_follows_what_the_times_depend_on(tmp_path: Path) -> None:
                     Target("cpu", "a cpu", 1, 8, "bf16", "group"),
                     Target("cpu", "other", 1, 8, "fp32", "group")):
         assert cache_key(model, changed) != key
+    monkeypatch.setattr(heap, "HEAP_GROWTH", heap.HEAP_GROWTH // 2)  # times of another heap
+    assert cache_key(model, target) != key
+    monkeypatch.undo()
     model.write_text(MLP.read_text() + "\n# edited\n")
     assert cache_key(model, target) != key
 
