@@ -1,0 +1,132 @@
+"""Training speed and resident memory under settings of the CPU training heap.
+
+The emitted metrics.py sets glibc's heap for training (set_training_heap): blocks of
+MAPPED_BLOCK or more get mappings of their own unless the heap's top has room for them, and
+HEAP_GROWTH pads that top. This benchmark compiles a few plans once (`--measure off`, so the
+profile's heap does not matter), copies each emitted directory once per setting, and runs the
+copies in turn, round after round, so that every setting sees the same machine state. It
+prints each launch's mean samples/s after the first step and its resident peaks.
+
+    OMP_NUM_THREADS=1 python benchmarks/heap_speed.py [--rounds 2] \
+        [--settings MAPPED_BLOCK:HEAP_GROWTH ...]   (bytes; default 262144:67108864 262144:131072)
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import statistics
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from commands import PIPEC, ROOT, TORCHRUN, run
+from tabulate import tabulate
+
+KIB, MIB = 2**10, 2**20
+
+
+@dataclass(frozen=True)
+class Plan:
+    name: str
+    model: str  # relative to the repository
+    processes: int
+    options: tuple[str, ...]
+    steps: int
+
+
+PLANS = (
+    Plan("gpt pp2 1f1b", "samples/gpt.py", 2,
+         ("--pp", "2", "--schedule", "1f1b"), 40),
+    Plan("long-lm pp2 1f1b m1", "benchmarks/models/long_lm.py", 2,
+         ("--pp", "2", "--schedule", "1f1b", "--batch-size", "8", "--micro-batch", "1"), 5),
+    Plan("deep-mlp 1 process m64", "benchmarks/models/deep_mlp.py", 1,
+         ("--batch-size", "64", "--micro-batch", "64"), 60),
+)
+
+
+def compile_plan(plan: Plan, work: Path) -> Path:
+    out = work / plan.name.replace(" ", "-")
+    run([*PIPEC, "compile", str(ROOT / plan.model), "--gpus", str(plan.processes),
+         "--hardware", "cpu", "--measure", "off", *plan.options, "-o", str(out)])
+    return out
+
+
+@dataclass(frozen=True)
+class Setting:
+    mapped_block: int  # bytes: blocks this large or larger are mapped apart
+    heap_growth: int  # bytes: the heap's top pad
+
+    @classmethod
+    def parse(cls, text: str) -> Setting:
+        try:
+            mapped_block, heap_growth = (int(value) for value in text.split(":"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: give MAPPED_BLOCK:HEAP_GROWTH in bytes, e.g. 262144:131072") from None
+        return cls(mapped_block, heap_growth)
+
+    def __str__(self) -> str:
+        return (f"mapped from {self.mapped_block // KIB:,} KiB, "
+                f"top pad {self.heap_growth // KIB:,} KiB")
+
+
+def with_setting(emitted: Path, setting: Setting) -> Path:
+    """A copy of the emitted directory whose training heap has `setting`."""
+    copy = emitted.with_name(f"{emitted.name}-{setting.mapped_block}-{setting.heap_growth}")
+    shutil.copytree(emitted, copy)
+    metrics = copy / "metrics.py"
+    text = metrics.read_text()
+    for name, value in (("MAPPED_BLOCK", setting.mapped_block),
+                        ("HEAP_GROWTH", setting.heap_growth)):
+        text, count = re.subn(rf"^{name} = .*$", f"{name} = {value}", text, flags=re.MULTILINE)
+        if count != 1:
+            raise SystemExit(f"{metrics}: no {name} line to set")
+    metrics.write_text(text)
+    return copy
+
+
+def launch(emitted: Path, plan: Plan) -> tuple[float, list[float]]:
+    """(mean samples/s after the first step, resident peak MiB per rank) of one launch."""
+    output = run([str(TORCHRUN), "--standalone", f"--nproc-per-node={plan.processes}",
+                  "train.py", "--steps", str(plan.steps)], cwd=emitted, attempts=2)
+    speed = re.search(r"done: \d+ steps, ([\d.]+) samples/s", output)
+    peaks = re.search(r"peak memory per rank \(MiB resident above the start\): ([\d. ]+)", output)
+    if not speed or not peaks:
+        raise SystemExit(f"{emitted}: no speed or peak memory in:\n{output}")
+    return float(speed.group(1)), [float(value) for value in peaks.group(1).split()]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--settings", type=Setting.parse, nargs="+",
+                        default=[Setting(256 * KIB, 64 * MIB), Setting(256 * KIB, 128 * KIB)],
+                        help="MAPPED_BLOCK:HEAP_GROWTH pairs, in bytes")
+    args = parser.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="pipec-heap-speed-") as tmp:
+        for plan in PLANS:
+            emitted = compile_plan(plan, Path(tmp))
+            copies = {setting: with_setting(emitted, setting) for setting in args.settings}
+            speeds: dict[Setting, list[float]] = {setting: [] for setting in args.settings}
+            peaks: dict[Setting, list[float]] = {setting: [] for setting in args.settings}
+            for _ in range(args.rounds):
+                for setting, copy in copies.items():
+                    speed, rank_peaks = launch(copy, plan)
+                    speeds[setting].append(speed)
+                    peaks[setting].append(max(rank_peaks))
+                    print(f"{plan.name}, {setting}: {speed:.1f} samples/s, "
+                          f"peak {max(rank_peaks):.1f} MiB", flush=True)
+            rows += [(plan.name, str(setting),
+                      ", ".join(f"{value:,.1f}" for value in speeds[setting]),
+                      f"{statistics.median(speeds[setting]):,.1f}",
+                      ", ".join(f"{value:.1f}" for value in peaks[setting]))
+                     for setting in args.settings]
+    print(tabulate(rows, headers=("plan", "heap", "samples/s per launch", "median",
+                                  "largest rank's resident peak MiB"), tablefmt="github"))
+
+
+if __name__ == "__main__":
+    main()
