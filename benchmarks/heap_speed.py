@@ -25,6 +25,7 @@ from commands import PIPEC, ROOT, TORCHRUN, run
 from tabulate import tabulate
 
 KIB, MIB = 2**10, 2**20
+LARGEST_MAPPED_BLOCK = 32 * MIB  # glibc's largest M_MMAP_THRESHOLD on 64-bit
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,12 @@ class Setting:
         except ValueError:
             raise argparse.ArgumentTypeError(
                 f"{text!r}: give MAPPED_BLOCK:HEAP_GROWTH in bytes, e.g. 262144:131072") from None
+        if not 0 < mapped_block <= LARGEST_MAPPED_BLOCK or heap_growth < 0:
+            # glibc refuses these, and metrics.py ignores mallopt's answer: the run would
+            # measure glibc's own settings under this setting's name.
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: MAPPED_BLOCK must be 1 to {LARGEST_MAPPED_BLOCK} bytes and "
+                "HEAP_GROWTH 0 or more")
         return cls(mapped_block, heap_growth)
 
     def __str__(self) -> str:
@@ -92,28 +99,39 @@ def launch(emitted: Path, plan: Plan) -> tuple[float, list[float]]:
     output = run([str(TORCHRUN), "--standalone", f"--nproc-per-node={plan.processes}",
                   "train.py", "--steps", str(plan.steps)], cwd=emitted, attempts=2)
     speed = re.search(r"done: \d+ steps, ([\d.]+) samples/s", output)
-    peaks = re.search(r"peak memory per rank \(MiB resident above the start\): ([\d. ]+)", output)
+    peaks = re.search(r"peak memory per rank \(MiB resident above the start\): "
+                      r"(-?[\d.]+(?: -?[\d.]+)*)", output)
     if not speed or not peaks:
         raise SystemExit(f"{emitted}: no speed or peak memory in:\n{output}")
     return float(speed.group(1)), [float(value) for value in peaks.group(1).split()]
 
 
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: run at least 1 round")
+    return value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=_at_least_one, default=2)
     parser.add_argument("--settings", type=Setting.parse, nargs="+",
                         default=[Setting(256 * KIB, 64 * MIB), Setting(256 * KIB, 128 * KIB)],
                         help="MAPPED_BLOCK:HEAP_GROWTH pairs, in bytes")
     args = parser.parse_args()
+    settings = list(dict.fromkeys(args.settings))  # each once: one copy of the script each
     rows = []
     with tempfile.TemporaryDirectory(prefix="pipec-heap-speed-") as tmp:
         for plan in PLANS:
             emitted = compile_plan(plan, Path(tmp))
-            copies = {setting: with_setting(emitted, setting) for setting in args.settings}
-            speeds: dict[Setting, list[float]] = {setting: [] for setting in args.settings}
-            peaks: dict[Setting, list[float]] = {setting: [] for setting in args.settings}
-            for _ in range(args.rounds):
-                for setting, copy in copies.items():
+            copies = {setting: with_setting(emitted, setting) for setting in settings}
+            speeds: dict[Setting, list[float]] = {setting: [] for setting in settings}
+            peaks: dict[Setting, list[float]] = {setting: [] for setting in settings}
+            for round_ in range(args.rounds):
+                # Every other round in reverse: neither setting always runs first.
+                order = list(copies.items())[::-1 if round_ % 2 else 1]
+                for setting, copy in order:
                     speed, rank_peaks = launch(copy, plan)
                     speeds[setting].append(speed)
                     peaks[setting].append(max(rank_peaks))
@@ -123,7 +141,7 @@ def main() -> None:
                       ", ".join(f"{value:,.1f}" for value in speeds[setting]),
                       f"{statistics.median(speeds[setting]):,.1f}",
                       ", ".join(f"{value:.1f}" for value in peaks[setting]))
-                     for setting in args.settings]
+                     for setting in settings]
     print(tabulate(rows, headers=("plan", "heap", "samples/s per launch", "median",
                                   "largest rank's resident peak MiB"), tablefmt="github"))
 

@@ -160,9 +160,11 @@ def test_the_key_follows_what_the_times_depend_on(tmp_path: Path,
                     Target("cpu", "a cpu", 1, 8, "bf16", "group"),
                     Target("cpu", "other", 1, 8, "fp32", "group")):
         assert cache_key(model, changed) != key
-    monkeypatch.setattr(heap, "HEAP_GROWTH", heap.HEAP_GROWTH // 2)  # times of another heap
-    assert cache_key(model, target) != key
-    monkeypatch.undo()
+    for setting in ("MAPPED_BLOCK", "HEAP_GROWTH"):  # times measured in another heap
+        with monkeypatch.context() as patch:
+            patch.setattr(heap, setting, getattr(heap, setting) // 2)
+            assert cache_key(model, target) != key
+    assert cache_key(model, target) == key
     model.write_text(MLP.read_text() + "\n# edited\n")
     assert cache_key(model, target) != key
 
