@@ -1,8 +1,10 @@
-"""What the benchmarks run: pipec and torchrun of this environment, one thread per process."""
+"""What the benchmarks run: pipec and torchrun of this environment, one thread per process; and
+what they read from the lines train.py prints at its end."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +12,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PIPEC = [sys.executable, "-m", "pipec.cli"]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
+DONE = re.compile(r"^done: \d+ steps, ([\d.]+) samples/s", re.MULTILINE)
+PEAKS = "peak memory per rank (MiB resident above the start):"
 
 
 def run(command: list[str], cwd: Path | None = None, attempts: int = 1) -> str:
@@ -32,3 +36,19 @@ def run(command: list[str], cwd: Path | None = None, attempts: int = 1) -> str:
         print(f"{failure}\n(attempt {attempt} of {attempts}: running it again)",
               file=sys.stderr, flush=True)
     raise AssertionError("unreachable: the last attempt returns or exits")
+
+
+def mean_samples_per_s(output: str) -> float:
+    """The mean samples/s after the first step, from train.py's last line."""
+    found = DONE.search(output)
+    if found is None:
+        raise SystemExit(f"no summary line in:\n{output}")
+    return float(found.group(1))
+
+
+def resident_peaks_mib(output: str) -> list[float]:
+    """Each rank's peak resident MiB above its start, from train.py's summary of a run."""
+    line = next((line for line in output.splitlines() if line.startswith(PEAKS)), None)
+    if line is None:
+        raise SystemExit(f"no peak memory line in:\n{output}")
+    return [float(mib) for mib in line.removeprefix(PEAKS).split()]

@@ -8,26 +8,21 @@ dataset with per-item work (benchmarks/models/augmented_images.py), read in the 
 from __future__ import annotations
 
 import argparse
-import re
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-from commands import PIPEC, ROOT, run
+from commands import PIPEC, ROOT, mean_samples_per_s, run
 from tabulate import tabulate
 
 MODEL = ROOT / "benchmarks" / "models" / "augmented_images.py"
-DONE = re.compile(r"^done: \d+ steps, ([\d.]+) samples/s", re.MULTILINE)
 
 
 def samples_per_s(out: Path, steps: int, workers: int) -> float:
     printed = run([sys.executable, str(out / "train.py"), "--steps", str(steps),
                    "--data-workers", str(workers)], cwd=out)
-    found = DONE.search(printed)
-    if found is None:
-        raise SystemExit(f"no summary line in:\n{printed}")
-    return float(found.group(1))
+    return mean_samples_per_s(printed)
 
 
 def main() -> None:

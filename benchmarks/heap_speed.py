@@ -21,7 +21,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from commands import PIPEC, ROOT, TORCHRUN, run
+from commands import PIPEC, ROOT, TORCHRUN, mean_samples_per_s, resident_peaks_mib, run
 from tabulate import tabulate
 
 KIB, MIB = 2**10, 2**20
@@ -98,12 +98,7 @@ def launch(emitted: Path, plan: Plan) -> tuple[float, list[float]]:
     """(mean samples/s after the first step, resident peak MiB per rank) of one launch."""
     output = run([str(TORCHRUN), "--standalone", f"--nproc-per-node={plan.processes}",
                   "train.py", "--steps", str(plan.steps)], cwd=emitted, attempts=2)
-    speed = re.search(r"done: \d+ steps, ([\d.]+) samples/s", output)
-    peaks = re.search(r"peak memory per rank \(MiB resident above the start\): "
-                      r"(-?[\d.]+(?: -?[\d.]+)*)", output)
-    if not speed or not peaks:
-        raise SystemExit(f"{emitted}: no speed or peak memory in:\n{output}")
-    return float(speed.group(1)), [float(value) for value in peaks.group(1).split()]
+    return mean_samples_per_s(output), resident_peaks_mib(output)
 
 
 def _at_least_one(text: str) -> int:

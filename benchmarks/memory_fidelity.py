@@ -33,7 +33,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from commands import PIPEC, ROOT, TORCHRUN, run
+from commands import PIPEC, ROOT, TORCHRUN, resident_peaks_mib, run
 from tabulate import tabulate
 
 from pipec.cost.hardware import PRESETS, load_hardware
@@ -168,7 +168,7 @@ def measure(case: Case, work: Path, steps: int) -> list[tuple[str, ...]]:
                    "train.py", "--steps", str(steps)], cwd=out)
     plan = json.loads((out / "plan.json").read_text())
     metrics = json.loads((out / "metrics.json").read_text())
-    resident = default_run_peaks(default)
+    resident = [mib * MIB for mib in resident_peaks_mib(default)]
     rows = []
     for device, predicted in enumerate(plan["predicted"]["peak_memory_bytes"]):
         ranks = [r for r in metrics["ranks"] if r["device"] == device]
@@ -181,12 +181,6 @@ def measure(case: Case, work: Path, steps: int) -> list[tuple[str, ...]]:
                      f"{held / predicted - 1:+.1%}",
                      ", ".join(f"{t} {terms[t] / MIB:.0f}" for t in largest)))
     return rows
-
-
-def default_run_peaks(output: str) -> list[float]:
-    """Each rank's peak resident bytes above its start, from train.py's summary line."""
-    line = next(line for line in output.splitlines() if line.startswith("peak memory per rank"))
-    return [float(mib) * MIB for mib in line.split(":")[1].split()]
 
 
 def check_max_batch(work: Path, device_mib: int, steps: int) -> None:
