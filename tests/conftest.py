@@ -60,13 +60,20 @@ def compile_apart(model: Path, out: Path, **options: Any) -> Plan:
         return pool.apply(compile_to, (model, out), options)
 
 
+def glibc_environment() -> dict[str, str]:
+    """This process's variables for a script run in glibc's heap, one thread per process."""
+    return {**{k: v for k, v in os.environ.items() if k != "LD_PRELOAD"},
+            "OMP_NUM_THREADS": "1", "PIPEC_ALLOCATOR": "glibc"}
+
+
 def measured_peaks(out: Path, processes: int = 2) -> list[float]:
     """Each device's measured peak (the largest over its replicas), from a fresh torchrun of
-    the emitted script for 3 steps."""
+    the emitted script for 3 steps: in glibc's heap, what is allocated (tcmalloc's would count
+    its free memory too)."""
     torchrun = Path(sys.executable).with_name("torchrun")
     subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", str(processes),
                     "train.py", "--steps", "3", "--metrics", "m.json"], cwd=out, check=True,
-                   capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                   capture_output=True, env=glibc_environment())
     peaks: dict[int, float] = {}
     for rank in json.loads((out / "m.json").read_text())["ranks"]:
         peaks[rank["device"]] = max(peaks.get(rank["device"], 0.0), rank["peak_memory_bytes"])
@@ -85,8 +92,10 @@ def _worker(rank: int, out: str, world_size: int, port: int, args: list[str], lo
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
     sys.stdout = sys.stderr = log  # pytest's capture objects were inherited through fork
+    # PIPEC_ALLOCATOR: a forked rank keeps the test process's allocator (train.py would not
+    # start it again anyway: its command line is the test runner's).
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PIPEC_ALLOCATOR="glibc")
     sys.path.insert(0, out)
     sys.argv = [os.path.join(out, "train.py"), *args]
     runpy.run_path(sys.argv[0], run_name="__main__")

@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "pipec"
 # (cli, driver, the inspect and compare tools) sit on top; calibration and codegen are siblings.
 RANKS = {"base": 0, "frontend": 1, "cost": 2, "planning": 3, "calibration": 4, "codegen": 4,
          "tools": 5}
-BASE = {"pipec", "pipec.errors", "pipec.units", "pipec.torchcompat"}
+BASE = {"pipec", "pipec.errors", "pipec.units", "pipec.torchcompat", "pipec.host_allocator"}
 SUB_PACKAGES = ("frontend", "cost", "planning", "calibration", "codegen")
 MAX_TOP_LEVEL_MODULES = 12
 

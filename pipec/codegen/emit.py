@@ -7,17 +7,19 @@ timestamps, no absolute paths, sorted JSON keys.
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import jinja2
 import torch
 
-from pipec import __version__
+from pipec import __version__, host_allocator
 from pipec.codegen.output_dir import check_target, write_atomically
 from pipec.codegen.plan_file import plan_dict, plan_id
 from pipec.codegen.report import (
@@ -84,6 +86,7 @@ def render(spec: ModelSpec, traced: Traced, plan: Plan, norms: NormPlan,
         "data.py": _render("data.py.j2", context),
         "evaluation.py": _render("evaluation.py.j2", context),
         "torch_compat.py": _render("torch_compat.py.j2", context),
+        "allocator.py": _copied_module(host_allocator),
         **({"tensor_parallel.py": _render("tensor_parallel.py.j2",
                                           {**context, "tp_shards": staged.tp_shards})}
            if plan.tp > 1 else {}),
@@ -289,5 +292,12 @@ _environment = jinja2.Environment(
 
 def _render(name: str, context: dict[str, Any]) -> bytes:
     return _environment.get_template(name).render(**context).encode()
+
+
+def _copied_module(module: ModuleType) -> bytes:
+    """A module of pipec's own that needs only the standard library, as the emitted scripts
+    import it: one source for pipec and the scripts."""
+    return (f"# {module.__name__} of pipec {__version__}, copied.\n"
+            + inspect.getsource(module)).encode()
 
 

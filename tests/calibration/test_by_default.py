@@ -164,6 +164,11 @@ def test_the_key_follows_what_the_times_depend_on(tmp_path: Path,
         with monkeypatch.context() as patch:
             patch.setattr(heap, setting, getattr(heap, setting) // 2)
             assert cache_key(model, target) != key
+    with monkeypatch.context() as patch:  # times measured under another allocator
+        allocator = heap.running_allocator()
+        patch.setattr(heap, "running_allocator",
+                      lambda: "glibc" if allocator == "tcmalloc" else "tcmalloc")
+        assert cache_key(model, target) != key
     assert cache_key(model, target) == key
     model.write_text(MLP.read_text() + "\n# edited\n")
     assert cache_key(model, target) != key

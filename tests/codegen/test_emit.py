@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 import json
+import os
 import re
 import subprocess
 import sys
@@ -12,13 +14,14 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, SAMPLES, compile_to
+from pipec import host_allocator
 from pipec.errors import OutputError, TraceError
 
 PLAN_KEYS = {"gpus", "nodes", "pp", "dp", "global_batch", "micro_batch", "num_micro_batches",
              "schedule", "hardware", "stages", "predicted", "baselines", "norm_rewrites"}
 STAGE_KEYS = {"index", "modules", "params", "fwd_flops", "bwd_flops", "activation_bytes",
               "memory_bytes", "time_s", "boundary_bytes"}
-FILES = ["checkpoints.py", "data.py", "evaluation.py", "gradients.py", "launch.sh",
+FILES = ["allocator.py", "checkpoints.py", "data.py", "evaluation.py", "gradients.py", "launch.sh",
          "launch.slurm", "logs.py", "metrics.py", "model.py", "pipeline.py", "plan.json",
          "report.md", "stages.py", "timeline.svg", "torch_compat.py", "train.py", "weights.py"]
 
@@ -51,7 +54,7 @@ def test_emitted_script_imports_no_pipec(tmp_path: Path) -> None:
     compile_to(SAMPLES / "resnet.py", tmp_path / "out", gpus=2, batch_size=16)
     for name in ("train.py", "stages.py", "weights.py", "checkpoints.py", "metrics.py",
                  "data.py", "evaluation.py", "gradients.py", "pipeline.py", "torch_compat.py",
-                 "logs.py"):
+                 "logs.py", "allocator.py"):
         text = (tmp_path / "out" / name).read_text()
         assert "import pipec" not in text and "from pipec" not in text
         compile(text, name, "exec")
@@ -110,3 +113,25 @@ def test_wheel_contains_the_templates(tmp_path: Path) -> None:
                      "torch_compat.py.j2", "report.md.j2", "launch.sh.j2", "launch.slurm.j2",
                      "logs.py.j2", "evaluation.py.j2"):
         assert f"pipec/templates/{template}" in names
+
+
+def test_cpu_plans_train_under_pipecs_allocator_module(tmp_path: Path) -> None:
+    compile_to(SAMPLES / "mlp.py", tmp_path / "cpu", gpus=1, batch_size=8)
+    compile_to(SAMPLES / "mlp.py", tmp_path / "gpu", gpus=1, batch_size=8, hardware="h100-80g")
+    for plan in ("cpu", "gpu"):  # one source: pipec's module, copied
+        copied = (tmp_path / plan / "allocator.py").read_text()
+        assert copied.endswith(inspect.getsource(host_allocator))
+    cpu_script = (tmp_path / "cpu" / "train.py").read_text()
+    assert ('\nif __name__ == "__main__":\n    allocator.run_under_tcmalloc(say_if_missing=True)\n'
+            in cpu_script)
+    assert "allocator" not in (tmp_path / "gpu" / "train.py").read_text()
+    # Imported by another program (as tests do), the script starts nothing again.
+    imported = ("import importlib.util; spec = importlib.util.spec_from_file_location("
+                "'emitted_train', 'train.py'); spec.loader.exec_module("
+                "importlib.util.module_from_spec(spec)); import allocator; "
+                "print(allocator.running_allocator())")
+    result = subprocess.run([sys.executable, "-c", imported], cwd=tmp_path / "cpu",
+                            capture_output=True, text=True, timeout=120, check=False,
+                            env={k: v for k, v in os.environ.items() if k != "LD_PRELOAD"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["glibc"]

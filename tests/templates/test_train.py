@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import MODELS, SAMPLES, compile_to, free_port, losses_of, run_forked
+from pipec.host_allocator import tcmalloc_library
 
 STEPS = "4"
 TORCHRUN = Path(sys.executable).with_name("torchrun")
@@ -165,8 +166,8 @@ def test_real_dataset_trains_identically_and_learns(tmp_path: Path) -> None:
     assert sum(reference[-5:]) / 5 < 0.5 * sum(reference[:5]) / 5
 
 
-def run_script(command: list[str], cwd: Path) -> str:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def run_script(command: list[str], cwd: Path, **environment: str) -> str:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **environment}
     result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -185,6 +186,21 @@ def test_torchrun_2_and_4_processes_equal_one(tmp_path: Path) -> None:
                              "train.py", "--steps", STEPS], tmp_path / f"g{gpus}")
         assert_same_losses(losses_of(output), reference)
         assert "samples/s" in output.splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_tcmalloc_and_glibc_train_alike(tmp_path: Path) -> None:
+    """On a CPU, train.py starts again under tcmalloc where the system has it, and keeps glibc's
+    heap where PIPEC_ALLOCATOR=glibc: the same losses, and the summary names the allocator."""
+    compile_to(SAMPLES / "gpt.py", tmp_path, gpus=2, batch_size=16)
+    command = [str(TORCHRUN), "--standalone", "--nproc_per_node", "2", "train.py", "--steps",
+               STEPS]
+    outputs = {choice: run_script(command, tmp_path, PIPEC_ALLOCATOR=choice, LD_PRELOAD="")
+               for choice in ("tcmalloc", "glibc")}
+    assert_same_losses(losses_of(outputs["tcmalloc"]), losses_of(outputs["glibc"]))
+    found = "tcmalloc" if tcmalloc_library() else "glibc"
+    assert f"(MiB resident above the start, {found}):" in outputs["tcmalloc"]
+    assert "(MiB resident above the start, glibc):" in outputs["glibc"]
 
 
 @pytest.mark.slow

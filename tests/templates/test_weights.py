@@ -22,6 +22,7 @@ from conftest import (
     SAMPLES,
     compile_to,
     emitted_modules,
+    glibc_environment,
     losses_of,
     run_forked,
     run_forked_text,
@@ -50,7 +51,7 @@ def test_each_rank_holds_only_its_own_stages(tmp_path: Path) -> None:
     torchrun = Path(sys.executable).with_name("torchrun")
     subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", "4", "train.py",
                     "--steps", "3", "--metrics", str(tmp_path / "m.json")], cwd=tmp_path / "o",
-                   check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                   check=True, capture_output=True, env=glibc_environment())
     plan = json.loads((tmp_path / "o" / "plan.json").read_text())
     predicted = plan["predicted"]["peak_memory_bytes"]
     measured = json.loads((tmp_path / "m.json").read_text())["ranks"]
