@@ -131,6 +131,13 @@ def test_findings_name_the_assumption_that_is_off() -> None:
     assert "cuDNN" in beyond  # the test comparison was measured on CUDA
     on_cpu = replace(_comparison((1.0, 1.0), memory=170.0), device_type="cpu")
     assert "rounded up to whole pages" in findings(on_cpu)[0]
+    # Under tcmalloc a CPU run's peak is what the process holds: ±20 %, and said so.
+    tcmalloc = replace(_comparison((1.0, 1.0), memory=118.0), device_type="cpu",
+                       host_allocator="tcmalloc")
+    assert findings(tcmalloc) == ("the predictions hold: time within 1.25×, memory within ±20%",)
+    held = findings(replace(tcmalloc, measured_memory=(125.0, None)))[0]
+    assert held.startswith("memory: device 0 peaked at") and "PIPEC_ALLOCATOR=glibc" in held
+    assert "PIPEC_ALLOCATOR" not in findings(replace(on_cpu, host_allocator="glibc"))[0]
     assert "n/a" in render(_comparison((1.0, 1.0)))
     waited = replace(_comparison((1.0, 1.0)), path=Breakdown(10.0, 7.0, 2.0, 0.5, 0.2, 0.3, 6, 4))
     assert ("waits: the critical path of a step waited 2000.000 ms for other devices' outputs "
