@@ -25,7 +25,7 @@ SAMPLES = Path(__file__).resolve().parent.parent / "samples"
 
 def command_seconds(model: Path, out: Path, args: argparse.Namespace) -> float:
     started = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "pipec.cli", "compile", str(model), "-o", str(out),
+    subprocess.run([sys.executable, "-m", "pipec", "compile", str(model), "-o", str(out),
                     "--gpus", str(args.gpus), "--batch-size", str(args.batch_size),
                     "--hardware", "cpu"], check=True, capture_output=True)
     return time.perf_counter() - started

@@ -86,7 +86,7 @@ def timed(command: list[str]) -> tuple[float, float]:
 
 
 def speed_table() -> str:
-    pipec = [sys.executable, "-m", "pipec.cli"]
+    pipec = [sys.executable, "-m", "pipec"]
     model = str(ZOO / "gpt2_xl.py")
     with tempfile.TemporaryDirectory() as out:
         runs = [("pipec inspect gpt2_xl.py", [*pipec, "inspect", model, "--depth", "1"], 10),

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-PIPEC = [sys.executable, "-m", "pipec.cli"]
+PIPEC = [sys.executable, "-m", "pipec"]
 STEP = re.compile(r"^step (\d+) loss (\S+)", re.MULTILINE)
 DONE = re.compile(r"^done: \d+ steps, ([\d.,]+) samples/s", re.MULTILINE)
 

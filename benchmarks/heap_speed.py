@@ -1,14 +1,18 @@
-"""Training speed and resident memory under settings of the CPU training heap.
+"""Training speed and resident memory under CPU host allocators: tcmalloc, and settings of
+glibc's heap.
 
-The emitted metrics.py sets glibc's heap for training (set_training_heap): blocks of
-MAPPED_BLOCK or more get mappings of their own unless the heap's top has room for them, and
-HEAP_GROWTH pads that top. This benchmark compiles a few plans once (`--measure off`, so the
-profile's heap does not matter), copies each emitted directory once per setting, and runs the
-copies in turn, round after round, so that every setting sees the same machine state. It
-prints each launch's mean samples/s after the first step and its resident peaks.
+The emitted train.py trains under tcmalloc where the system has it (allocator.py); under glibc
+(PIPEC_ALLOCATOR=glibc, or no tcmalloc), metrics.py sets glibc's heap for training
+(set_training_heap): blocks of MAPPED_BLOCK or more get mappings of their own unless the heap's
+top has room for them, and HEAP_GROWTH pads that top. This benchmark compiles a few plans once
+(`--measure off`, so the profile's allocator does not matter), copies each emitted directory
+once per setting, and runs the copies in turn, round after round, so that every setting sees
+the same machine state. It prints each launch's mean samples/s after the first step and its
+resident peaks.
 
     OMP_NUM_THREADS=1 python benchmarks/heap_speed.py [--rounds 2] \
-        [--settings MAPPED_BLOCK:HEAP_GROWTH ...]   (bytes; default 262144:67108864 262144:131072)
+        [--settings tcmalloc MAPPED_BLOCK:HEAP_GROWTH ...]
+        (glibc's in bytes; default tcmalloc 262144:67108864 262144:131072)
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from pathlib import Path
 
 from commands import PIPEC, ROOT, TORCHRUN, mean_samples_per_s, resident_peaks_mib, run
 from tabulate import tabulate
+
+from pipec.host_allocator import tcmalloc_library
 
 KIB, MIB = 2**10, 2**20
 LARGEST_MAPPED_BLOCK = 32 * MIB  # glibc's largest M_MMAP_THRESHOLD on 64-bit
@@ -58,14 +64,20 @@ def compile_plan(plan: Plan, work: Path) -> Path:
 class Setting:
     mapped_block: int  # bytes: blocks this large or larger are mapped apart
     heap_growth: int  # bytes: the heap's top pad
+    tcmalloc: bool = False  # tcmalloc instead (glibc's settings unused)
 
     @classmethod
     def parse(cls, text: str) -> Setting:
+        if text == "tcmalloc":
+            if tcmalloc_library() is None:
+                raise argparse.ArgumentTypeError("tcmalloc: not found on this machine")
+            return cls(0, 0, tcmalloc=True)
         try:
             mapped_block, heap_growth = (int(value) for value in text.split(":"))
         except ValueError:
             raise argparse.ArgumentTypeError(
-                f"{text!r}: give MAPPED_BLOCK:HEAP_GROWTH in bytes, e.g. 262144:131072") from None
+                f"{text!r}: give tcmalloc or MAPPED_BLOCK:HEAP_GROWTH in bytes, e.g. "
+                "262144:131072") from None
         if not 0 < mapped_block <= LARGEST_MAPPED_BLOCK or heap_growth < 0:
             # glibc refuses these, and metrics.py ignores mallopt's answer: the run would
             # measure glibc's own settings under this setting's name.
@@ -75,14 +87,19 @@ class Setting:
         return cls(mapped_block, heap_growth)
 
     def __str__(self) -> str:
-        return (f"mapped from {self.mapped_block // KIB:,} KiB, "
+        if self.tcmalloc:
+            return "tcmalloc"
+        return (f"glibc, mapped from {self.mapped_block // KIB:,} KiB, "
                 f"top pad {self.heap_growth // KIB:,} KiB")
 
 
 def with_setting(emitted: Path, setting: Setting) -> Path:
     """A copy of the emitted directory whose training heap has `setting`."""
-    copy = emitted.with_name(f"{emitted.name}-{setting.mapped_block}-{setting.heap_growth}")
+    suffix = "tcmalloc" if setting.tcmalloc else f"{setting.mapped_block}-{setting.heap_growth}"
+    copy = emitted.with_name(f"{emitted.name}-{suffix}")
     shutil.copytree(emitted, copy)
+    if setting.tcmalloc:
+        return copy
     metrics = copy / "metrics.py"
     text = metrics.read_text()
     for name, value in (("MAPPED_BLOCK", setting.mapped_block),
@@ -94,10 +111,11 @@ def with_setting(emitted: Path, setting: Setting) -> Path:
     return copy
 
 
-def launch(emitted: Path, plan: Plan) -> tuple[float, list[float]]:
+def launch(emitted: Path, plan: Plan, setting: Setting) -> tuple[float, list[float]]:
     """(mean samples/s after the first step, resident peak MiB per rank) of one launch."""
     output = run([str(TORCHRUN), "--standalone", f"--nproc-per-node={plan.processes}",
-                  "train.py", "--steps", str(plan.steps)], cwd=emitted, attempts=2)
+                  "train.py", "--steps", str(plan.steps)], cwd=emitted, attempts=2,
+                 environment={"PIPEC_ALLOCATOR": "tcmalloc" if setting.tcmalloc else "glibc"})
     return mean_samples_per_s(output), resident_peaks_mib(output)
 
 
@@ -112,8 +130,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=_at_least_one, default=2)
     parser.add_argument("--settings", type=Setting.parse, nargs="+",
-                        default=[Setting(256 * KIB, 64 * MIB), Setting(256 * KIB, 128 * KIB)],
-                        help="MAPPED_BLOCK:HEAP_GROWTH pairs, in bytes")
+                        default=[*([Setting(0, 0, tcmalloc=True)] if tcmalloc_library() else []),
+                                 Setting(256 * KIB, 64 * MIB), Setting(256 * KIB, 128 * KIB)],
+                        help="tcmalloc, or glibc's MAPPED_BLOCK:HEAP_GROWTH in bytes")
     args = parser.parse_args()
     settings = list(dict.fromkeys(args.settings))  # each once: one copy of the script each
     rows = []
@@ -127,7 +146,7 @@ def main() -> None:
                 # Every other round in reverse: neither setting always runs first.
                 order = list(copies.items())[::-1 if round_ % 2 else 1]
                 for setting, copy in order:
-                    speed, rank_peaks = launch(copy, plan)
+                    speed, rank_peaks = launch(copy, plan, setting)
                     speeds[setting].append(speed)
                     peaks[setting].append(max(rank_peaks))
                     print(f"{plan.name}, {setting}: {speed:.1f} samples/s, "

@@ -2,13 +2,14 @@
 
 Each case compiles a model with `pipec compile --hardware cpu` and fixed choices (pp × dp,
 micro-batch, schedule, optimizer), runs the emitted train.py under torchrun for a few steps with
-`--metrics`, and sets each pipeline device's predicted peak (plan.json) against its measured
-peak (the largest over its data-parallel replicas): the peak resident set size above the
-process's own baseline, taken before the model is built, with glibc returning every freed
-block of a page or more to the OS (see docs/runtime.md). The target is every device within
-±15 %. It then runs the script again as users run it, without `--metrics`, and sets the
-resident peak that run prints (heap included, as the OS counts it) against the same
-prediction: within ±20 %.
+`--metrics` in glibc's heap (PIPEC_ALLOCATOR=glibc), and sets each pipeline device's predicted
+peak (plan.json) against its measured peak (the largest over its data-parallel replicas): the
+peak resident set size above the process's own baseline, taken before the model is built,
+with glibc returning every freed block of a page or more to the OS, so that it follows what is
+allocated (see docs/runtime.md). The target is every device within ±15 %. It then runs the
+script again as users run it, without `--metrics` and under its own allocator (tcmalloc where
+the system has it), and sets the resident peak that run prints (the allocator's free memory
+included, as the OS counts it) against the same prediction: within ±20 %.
 
     python benchmarks/memory_fidelity.py [--steps 3] [--only NAME ...] [--check]
 
@@ -163,7 +164,8 @@ def measure(case: Case, work: Path, steps: int) -> list[tuple[str, ...]]:
     run([*PIPEC, "compile", str(ROOT / case.model), "--gpus", str(case.processes),
          "--hardware", "cpu", *case.options, "-o", str(out)])
     run([str(TORCHRUN), "--standalone", "--nproc_per_node", str(case.processes), "train.py",
-         "--steps", str(steps), "--metrics", "metrics.json"], cwd=out)
+         "--steps", str(steps), "--metrics", "metrics.json"], cwd=out,
+        environment={"PIPEC_ALLOCATOR": "glibc"})  # what is allocated, exactly
     default = run([str(TORCHRUN), "--standalone", "--nproc_per_node", str(case.processes),
                    "train.py", "--steps", str(steps)], cwd=out)
     plan = json.loads((out / "plan.json").read_text())
@@ -197,7 +199,8 @@ def check_max_batch(work: Path, device_mib: int, steps: int) -> None:
     run([*PIPEC, "compile", model, *fixed, "--batch-size", str(largest), "--micro-batch", "1",
          "-o", str(out)])
     run([str(TORCHRUN), "--standalone", "--nproc_per_node", "2", "train.py", "--steps",
-         str(steps), "--metrics", "metrics.json"], cwd=out)
+         str(steps), "--metrics", "metrics.json"], cwd=out,
+        environment={"PIPEC_ALLOCATOR": "glibc"})  # what is allocated, as measure() does
     plan = json.loads((out / "plan.json").read_text())
     metrics = json.loads((out / "metrics.json").read_text())
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -246,7 +249,7 @@ def check_largest_micro_batch(work: Path, hardware: str, device_mib: int, steps:
         raise SystemExit(f"not even one sample fits a {device_mib} MiB {base.name}")
     out = work / f"mb{low}"
     run([sys.executable, "train.py", "--steps", str(steps), "--metrics", "metrics.json"],
-        cwd=out)
+        cwd=out, environment={"PIPEC_ALLOCATOR": "glibc"})
     plan = json.loads((out / "plan.json").read_text())
     rank = json.loads((out / "metrics.json").read_text())["ranks"][0]
     predicted, measured = plan["predicted"]["peak_memory_bytes"][0], rank["peak_memory_bytes"]
