@@ -41,6 +41,8 @@ from pipec.cost.hardware import PRESETS, load_hardware
 
 TARGET = 0.15
 RESIDENT_TARGET = 0.20  # a default run's resident size, heap included
+# --metrics in glibc's heap, every block of a page or more mapped apart: what is allocated.
+ALLOCATED = {"PIPEC_ALLOCATOR": "glibc"}
 MIB = 2**20
 
 
@@ -165,7 +167,7 @@ def measure(case: Case, work: Path, steps: int) -> list[tuple[str, ...]]:
          "--hardware", "cpu", *case.options, "-o", str(out)])
     run([str(TORCHRUN), "--standalone", "--nproc_per_node", str(case.processes), "train.py",
          "--steps", str(steps), "--metrics", "metrics.json"], cwd=out,
-        environment={"PIPEC_ALLOCATOR": "glibc"})  # what is allocated, exactly
+        environment=ALLOCATED)
     default = run([str(TORCHRUN), "--standalone", "--nproc_per_node", str(case.processes),
                    "train.py", "--steps", str(steps)], cwd=out)
     plan = json.loads((out / "plan.json").read_text())
@@ -200,7 +202,7 @@ def check_max_batch(work: Path, device_mib: int, steps: int) -> None:
          "-o", str(out)])
     run([str(TORCHRUN), "--standalone", "--nproc_per_node", "2", "train.py", "--steps",
          str(steps), "--metrics", "metrics.json"], cwd=out,
-        environment={"PIPEC_ALLOCATOR": "glibc"})  # what is allocated, as measure() does
+        environment=ALLOCATED)
     plan = json.loads((out / "plan.json").read_text())
     metrics = json.loads((out / "metrics.json").read_text())
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -249,7 +251,7 @@ def check_largest_micro_batch(work: Path, hardware: str, device_mib: int, steps:
         raise SystemExit(f"not even one sample fits a {device_mib} MiB {base.name}")
     out = work / f"mb{low}"
     run([sys.executable, "train.py", "--steps", str(steps), "--metrics", "metrics.json"],
-        cwd=out, environment={"PIPEC_ALLOCATOR": "glibc"})
+        cwd=out, environment=ALLOCATED)
     plan = json.loads((out / "plan.json").read_text())
     rank = json.loads((out / "metrics.json").read_text())["ranks"][0]
     predicted, measured = plan["predicted"]["peak_memory_bytes"][0], rank["peak_memory_bytes"]

@@ -2,7 +2,7 @@
 
 glibc's heap cannot both follow the plan and keep the steps fast on a CPU: padded, it serves
 large blocks from its top and fragments (resident up to 2.7x the planned peak); unpadded, it maps
-each large block apart and faults it in afresh every time (the small models' steps 16-23 %
+each large block apart and faults it in afresh every time (the small models' steps 16-26 %
 slower). tcmalloc keeps freed pages for reuse in size-segregated spans, so the resident size
 stays near the plan at the padded heap's speed or better (benchmarks/results/heap_policies.md).
 
